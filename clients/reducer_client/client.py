@@ -1,0 +1,274 @@
+"""ReducerClient: allreduce and broadcast of NumPy arrays through reducerd daemons."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+import numpy as np
+
+from reducer_client import wire
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_client.env import settings_from_env
+from reducer_client.errors import ReducerError
+from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
+from reducer_client.link import DaemonLink
+
+__all__ = ["ReducerClient"]
+
+_INPUT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+class _Operation:
+    """One allreduce in flight: the output buffer and the chunks still missing.
+
+    Reply handlers run on the links' reader threads; `_lock` guards
+    `remaining` and completion so the future is completed exactly once.
+    """
+
+    def __init__(self, client: ReducerClient, key: str, round_: int, out: np.ndarray,
+                 shape: tuple[int, ...], dtype: int, chunks: Sequence[Chunk],
+                 deadline_s: float) -> None:
+        self.future: Future[np.ndarray] = Future()
+        self.future.set_running_or_notify_cancel()
+        self.key, self.round = key, round_
+        self.out, self.shape, self.dtype = out, shape, dtype
+        self.chunks = chunks
+        self.deadline_s = deadline_s
+        self.remaining = len(chunks)
+        self._client = weakref.ref(client)
+        self._lock = threading.Lock()
+
+    def handler(self, chunk: Chunk):
+        def on_reply(reply: pb.Shard | None, error: ReducerError | None) -> None:
+            if error is not None:
+                self.fail(error)
+                return
+            assert reply is not None
+            expected = chunk.numel * wire.wire_itemsize(self.dtype)
+            if len(reply.data) != expected:
+                self.fail(ReducerError(grpc.StatusCode.INTERNAL,
+                                       f"key {self.key!r} round {self.round} offset "
+                                       f"{chunk.offset}: reply has {len(reply.data)} bytes, "
+                                       f"expected {expected}"))
+                return
+            wire.from_wire(reply.data, self.dtype,
+                           self.out[chunk.offset:chunk.offset + chunk.numel])
+            with self._lock:
+                self.remaining -= 1
+                done = self.remaining == 0 and not self.future.done()
+            if done:
+                self._finish()
+                self.future.set_result(self.out.reshape(self.shape))
+        return on_reply
+
+    def fail(self, error: ReducerError) -> None:
+        with self._lock:
+            if self.future.done():
+                return
+            self.remaining = -1
+        self._finish()
+        self.future.set_exception(error)
+        client = self._client()
+        if client is not None:
+            client._forget(self)
+
+    def _finish(self) -> None:
+        client = self._client()
+        if client is not None:
+            client._retire(self)
+
+
+class ReducerClient:
+    """Allreduce NumPy arrays of one job's worker through reducerd daemons.
+
+    Every worker of the job must make the same calls for a key in the same
+    order: the client counts rounds per key. An array is cut into chunks that
+    are spread over all daemons the same way on every worker, so each worker
+    sends each element once and receives each reduced element once.
+    Thread-safe; use as a context manager or call close().
+    """
+
+    def __init__(self, addresses: Sequence[str], job: str, rank: int, world_size: int,
+                 wire_dtype: str = "float16", timeout: float = 60.0,
+                 token: str | None = None, chunk_bytes: int | None = None) -> None:
+        if isinstance(addresses, str):
+            addresses = [a for a in addresses.split(",") if a]
+        if not addresses:
+            raise ValueError("addresses: give at least one daemon address HOST:PORT")
+        if not job:
+            raise ValueError("job: must be a non-empty string")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
+        if wire_dtype not in wire.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {wire_dtype!r}: one of "
+                             f"{', '.join(wire.WIRE_DTYPES)}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if chunk_bytes is not None and chunk_bytes < 4:
+            raise ValueError(f"chunk_bytes must be at least 4, got {chunk_bytes}")
+        self.addresses = list(addresses)
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.wire_dtype = wire_dtype
+        self.timeout = float(timeout)
+        self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._links = [DaemonLink(a, metadata) for a in self.addresses]
+        # _lock guards _rounds, _active and _closed (caller threads, the
+        # reader threads via _retire/_forget, and the watchdog).
+        self._lock = threading.Lock()
+        self._rounds: dict[str, int] = defaultdict(int)
+        self._active: dict[int, _Operation] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._wake = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name="reducer-watchdog")
+        self._watchdog.start()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any,
+                 ) -> ReducerClient:
+        """Build a client from REDUCER_* variables or the launcher's own (see env.py)."""
+        settings = settings_from_env(environ)
+        settings.update(overrides)
+        return cls(**settings)
+
+    # -- public operations --------------------------------------------------
+
+    def allreduce(self, array: np.ndarray, key: str, op: str = "sum") -> np.ndarray:
+        """Sum (or average) `array` over all workers; same dtype and shape back."""
+        return self.allreduce_async(array, key, op).result()
+
+    def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum",
+                        ) -> Future[np.ndarray]:
+        """Start an allreduce; the future's result is the reduced array.
+
+        The input is copied (converted to the wire dtype) before this returns,
+        so the caller may reuse it at once. The future fails with ReducerError.
+        """
+        if op not in wire.WIRE_OPS:
+            raise ValueError(f"op {op!r}: one of {', '.join(wire.WIRE_OPS)}")
+        return self._start(array, key, wire.WIRE_DTYPES[self.wire_dtype],
+                           wire.WIRE_OPS[op], root_rank=None)
+
+    def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
+        """Return root_rank's `array` on every worker.
+
+        Exact for float16, bfloat16-representable and float32 values: it
+        travels as float32 whatever wire_dtype says (float64 input is rounded
+        to float32). The root sends its values, the others zeros.
+        """
+        return self.broadcast_async(array, key, root_rank).result()
+
+    def broadcast_async(self, array: np.ndarray, key: str, root_rank: int = 0,
+                        ) -> Future[np.ndarray]:
+        if not 0 <= root_rank < self.world_size:
+            raise ValueError(f"root_rank {root_rank} must be in [0, {self.world_size})")
+        return self._start(array, key, pb.DTYPE_FLOAT32, pb.REDUCE_OP_SUM,
+                           root_rank=root_rank)
+
+    def close(self) -> None:
+        """Fail what is still open, half-close the streams and close the channels."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            active = list(self._active.values())
+        for operation in active:
+            operation.fail(ReducerError(grpc.StatusCode.CANCELLED, "client closed"))
+        self._wake.set()
+        for link in self._links:
+            link.close()
+
+    def __enter__(self) -> ReducerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------
+
+    def _start(self, array: np.ndarray, key: str, dtype: int, op: int,
+               root_rank: int | None) -> Future[np.ndarray]:
+        if not isinstance(key, str) or not key:
+            raise ValueError("key must be a non-empty string")
+        array = np.asarray(array)
+        if array.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"key {key!r}: dtype {array.dtype} is not supported; "
+                            "use float16, float32 or float64")
+        flat = np.ascontiguousarray(array).reshape(-1)
+        with self._lock:
+            if self._closed:
+                raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
+            round_ = self._rounds[key]
+            self._rounds[key] = round_ + 1
+        if root_rank is not None and root_rank != self.rank:
+            flat = np.zeros_like(flat)
+        out = np.empty(flat.size, dtype=array.dtype)
+        chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
+                             self.chunk_bytes, key)
+        operation = _Operation(self, key, round_, out, array.shape, dtype, chunks,
+                               time.monotonic() + self.timeout)
+        if not chunks:
+            operation.future.set_result(out.reshape(array.shape))
+            return operation.future
+        with self._lock:
+            self._active[id(operation)] = operation
+        encoded = wire.to_wire(flat, dtype)
+        per_link: dict[int, tuple[list[pb.Shard], list]] = defaultdict(lambda: ([], []))
+        for chunk in chunks:
+            shards, handlers = per_link[chunk.daemon]
+            shards.append(pb.Shard(
+                job=self.job, rank=self.rank, world_size=self.world_size, round=round_,
+                key=key, offset=chunk.offset, dtype=dtype, op=op,
+                data=encoded[chunk.offset:chunk.offset + chunk.numel].tobytes()))
+            handlers.append(operation.handler(chunk))
+        try:
+            for daemon, (shards, handlers) in per_link.items():
+                self._links[daemon].send(shards, handlers)
+        except ReducerError as exc:
+            operation.fail(exc)
+        return operation.future
+
+    def _retire(self, operation: _Operation) -> None:
+        with self._lock:
+            self._active.pop(id(operation), None)
+
+    def _forget(self, operation: _Operation) -> None:
+        """Drop the failed operation's chunks from every link."""
+        by_link: dict[int, list] = defaultdict(list)
+        for chunk in operation.chunks:
+            by_link[chunk.daemon].append((operation.key, operation.round, chunk.offset))
+        for daemon, keys in by_link.items():
+            self._links[daemon].forget(keys)
+
+    def _watch(self) -> None:
+        """Fail operations past their deadline, so nothing waits for ever."""
+        while not self._wake.wait(0.1):
+            now = time.monotonic()
+            with self._lock:
+                late = [op for op in self._active.values() if op.deadline_s <= now]
+            for operation in late:
+                operation.fail(self._timeout_error(operation))
+
+    def _timeout_error(self, operation: _Operation) -> ReducerError:
+        down = [link.address for link in self._links
+                if link.connectivity in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                                         grpc.ChannelConnectivity.SHUTDOWN)]
+        if down:
+            return ReducerError(grpc.StatusCode.UNAVAILABLE,
+                                f"job {self.job!r} key {operation.key!r} round "
+                                f"{operation.round}: cannot reach daemon(s) "
+                                f"{', '.join(down)} within {self.timeout:g} s")
+        return ReducerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"job {self.job!r} key {operation.key!r} round "
+                            f"{operation.round}: no result within {self.timeout:g} s "
+                            f"(rank {self.rank} of {self.world_size})")

@@ -1,0 +1,73 @@
+"""Client settings from the environment: the one place the core reads it.
+
+REDUCER_ADDRESSES (comma-separated HOST:PORT), REDUCER_JOB, REDUCER_TOKEN,
+REDUCER_WIRE_DTYPE, REDUCER_TIMEOUT (seconds), REDUCER_CHUNK_BYTES; rank and
+world size from REDUCER_RANK / REDUCER_WORLD_SIZE, else the launcher's own:
+torchrun (RANK / WORLD_SIZE), TensorFlow (TF_CONFIG), MXNet / ps-lite
+(DMLC_WORKER_ID / DMLC_NUM_WORKER).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["settings_from_env", "rank_and_size_from_env"]
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def rank_and_size_from_env(environ: Mapping[str, str]) -> tuple[int, int]:
+    """(rank, world_size) from the first launcher whose variables are set."""
+    for rank_var, size_var in (("REDUCER_RANK", "REDUCER_WORLD_SIZE"),
+                               ("RANK", "WORLD_SIZE"),
+                               ("DMLC_WORKER_ID", "DMLC_NUM_WORKER")):
+        if rank_var in environ and size_var in environ:
+            return _int(environ, rank_var), _int(environ, size_var)
+    if "TF_CONFIG" in environ:
+        try:
+            tf_config = json.loads(environ["TF_CONFIG"])
+            cluster, task = tf_config["cluster"], tf_config["task"]
+            # The chief (if any) is rank 0, then the workers in order.
+            chiefs = len(cluster.get("chief", []))
+            workers = len(cluster.get("worker", []))
+            index = int(task.get("index", 0))
+            rank = index if task["type"] == "chief" else chiefs + index
+            return rank, chiefs + workers
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"TF_CONFIG is not a valid cluster spec: {exc!r}") from None
+    raise ValueError("rank and world size: set REDUCER_RANK and REDUCER_WORLD_SIZE "
+                     "(or run under torchrun, TF_CONFIG or DMLC_* variables)")
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """ReducerClient keyword arguments from the environment."""
+    environ = os.environ if environ is None else environ
+    addresses = [a.strip() for a in environ.get("REDUCER_ADDRESSES", "").split(",")
+                 if a.strip()]
+    if not addresses:
+        raise ValueError("REDUCER_ADDRESSES is not set: give the daemons as "
+                         "HOST:PORT,HOST:PORT")
+    rank, world_size = rank_and_size_from_env(environ)
+    settings: dict[str, Any] = {
+        "addresses": addresses,
+        "job": environ.get("REDUCER_JOB", "default"),
+        "rank": rank,
+        "world_size": world_size,
+        "token": environ.get("REDUCER_TOKEN") or None,
+    }
+    if environ.get("REDUCER_WIRE_DTYPE"):
+        settings["wire_dtype"] = environ["REDUCER_WIRE_DTYPE"]
+    if environ.get("REDUCER_TIMEOUT"):
+        settings["timeout"] = float(environ["REDUCER_TIMEOUT"])
+    if environ.get("REDUCER_CHUNK_BYTES"):
+        settings["chunk_bytes"] = _int(environ, "REDUCER_CHUNK_BYTES")
+    return settings

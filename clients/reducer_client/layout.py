@@ -1,0 +1,62 @@
+"""Chunk layout: how a flat tensor is cut into chunks and spread over daemons.
+
+The layout depends only on the element count, the wire item size, the chunk
+size and the number of daemons, plus the key (which daemon gets the first
+chunk), so every worker computes the same layout without talking. Every
+element belongs to exactly one chunk and every chunk to exactly one daemon.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+__all__ = ["Chunk", "plan_chunks", "DEFAULT_CHUNK_BYTES"]
+
+# Wire bytes per chunk. 1 MiB measured best on loopback (see README,
+# "Choosing chunk_bytes"); well under gRPC's default 4 MiB message limit.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements [offset, offset + numel) of a key, reduced by daemon `daemon`."""
+
+    offset: int
+    numel: int
+    daemon: int
+
+
+def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
+                key: str = "") -> list[Chunk]:
+    """Cut `numel` elements into balanced chunks spread round-robin over daemons.
+
+    The chunk count is the smallest multiple of `num_daemons` whose chunks fit
+    in `chunk_bytes` (fewer when there are fewer elements than daemons), and
+    chunk sizes differ by at most one element, so each daemon gets the same
+    number of bytes to within one element per chunk. Round-robin starts at a
+    daemon picked from a CRC of the key, so many small keys do not all land
+    on daemon 0.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if num_daemons < 1:
+        raise ValueError("need at least one daemon")
+    if itemsize < 1 or chunk_bytes < itemsize:
+        raise ValueError(f"chunk_bytes ({chunk_bytes}) must hold at least one element "
+                         f"of {itemsize} bytes")
+    if numel == 0:
+        return []
+    max_chunk_numel = chunk_bytes // itemsize
+    count = -(-numel // max_chunk_numel)  # ceil
+    count = -(-count // num_daemons) * num_daemons  # round up to a multiple of D
+    count = min(count, numel)
+    base, extra = divmod(numel, count)
+    first_daemon = zlib.crc32(key.encode()) % num_daemons
+    chunks = []
+    offset = 0
+    for i in range(count):
+        size = base + (1 if i < extra else 0)
+        chunks.append(Chunk(offset, size, (first_daemon + i) % num_daemons))
+        offset += size
+    return chunks

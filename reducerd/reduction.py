@@ -1,0 +1,287 @@
+"""The reduction table: open chunks, float32 accumulation, failures.
+
+Pure Python and NumPy, no gRPC: the servicer validates and routes shards here
+and delivers what this module returns. Every method runs on the daemon's event
+loop thread, so the table needs no lock.
+
+Numerics: each chunk owns one float32 accumulator. The first contribution is
+converted into it, the others are added in place; MEAN divides by world_size
+in float32 once all are in, then the result is rounded once to the wire dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from reducer_client import wire
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+
+__all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
+           "DTYPE_NAMES", "OP_NAMES"]
+
+DTYPE_NAMES = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16",
+               pb.DTYPE_FLOAT32: "float32"}
+OP_NAMES = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
+            pb.REDUCE_OP_MEAN: "mean"}
+
+# Status code names (the servicer maps them to grpc.StatusCode).
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+UNAVAILABLE = "UNAVAILABLE"
+
+
+class ChunkId(NamedTuple):
+    job: str
+    key: str
+    round: int
+    offset: int
+
+    def describe(self) -> str:
+        return (f"job {self.job!r} key {self.key!r} round {self.round} "
+                f"offset {self.offset}")
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One rank's data for one chunk, already checked on its own."""
+
+    rank: int
+    world_size: int
+    dtype: int
+    op: int
+    data: bytes
+
+    @property
+    def numel(self) -> int:
+        return len(self.data) // wire.wire_itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What to send to `sinks`: the result `data`, or an error code and message."""
+
+    chunk: ChunkId
+    dtype: int
+    op: int
+    world_size: int
+    sinks: tuple[Hashable, ...]
+    data: bytes = b""
+    error_code: str = ""
+    error_message: str = ""
+
+
+@dataclass
+class JobStats:
+    first_seen_s: float
+    world_sizes: set[int] = field(default_factory=set)
+    chunks_completed: int = 0
+    chunks_failed: int = 0
+    open_chunks: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass
+class _OpenChunk:
+    first_rank: int
+    world_size: int
+    dtype: int
+    op: int
+    numel: int
+    acc: np.ndarray
+    started_s: float
+    ranks: set[int] = field(default_factory=set)
+    # Streams waiting for the result, per rank (a retry adds a second one).
+    sinks: list[Hashable] = field(default_factory=list)
+
+
+@dataclass
+class _Failure:
+    code: str
+    message: str
+    expires_s: float
+
+
+class ReductionTable:
+    """Every open chunk of every job, keyed by ChunkId.
+
+    `contribute` returns the deliveries to make now; `expire` fails chunks
+    past the round timeout; `drop_sink` forgets a stream that went away.
+    A failed chunk is remembered for one round timeout, so ranks that arrive
+    after the failure get the same error instead of waiting for nothing.
+    """
+
+    def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.round_timeout_s = round_timeout_s
+        self.max_inflight_bytes = max_inflight_bytes
+        self.bytes_held = 0
+        self.jobs: dict[str, JobStats] = {}
+        self._clock = clock
+        self._open: dict[ChunkId, _OpenChunk] = {}
+        self._failed: dict[ChunkId, _Failure] = {}
+        self._scratch = np.empty(0, dtype=np.float32)  # bfloat16 widening buffer
+        self.accepting_new_chunks = True
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def open_chunk_count(self) -> int:
+        return len(self._open)
+
+    def open_chunks(self) -> list[tuple[ChunkId, int, list[int], float]]:
+        """(chunk, world_size, missing ranks, age in seconds), oldest first."""
+        now = self._clock()
+        rows = [(cid, c.world_size, sorted(set(range(c.world_size)) - c.ranks),
+                 now - c.started_s) for cid, c in self._open.items()]
+        return sorted(rows, key=lambda row: -row[3])
+
+    # -- updates -------------------------------------------------------------
+
+    def contribute(self, chunk: ChunkId, part: Contribution, sink: Hashable,
+                   ) -> list[Delivery]:
+        """Count `part` towards `chunk`; return the deliveries this causes."""
+        now = self._clock()
+        job = self.jobs.get(chunk.job)
+        if job is None:
+            job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
+        job.world_sizes.add(part.world_size)
+        job.bytes_in += len(part.data)
+
+        failure = self._failed.get(chunk)
+        if failure is not None:
+            return [self._error(chunk, part, (sink,), failure.code, failure.message)]
+
+        open_chunk = self._open.get(chunk)
+        if open_chunk is None:
+            return self._open_chunk(chunk, part, sink, now, job)
+
+        mismatch = _mismatch(open_chunk, part)
+        if mismatch:
+            message = f"{chunk.describe()}: {mismatch}"
+            sinks = (*open_chunk.sinks, sink)
+            return [self._fail(chunk, INVALID_ARGUMENT, message, sinks, part)]
+
+        open_chunk.sinks.append(sink)
+        if part.rank in open_chunk.ranks:
+            return []  # a retry: already counted, this stream just waits too
+        wire.add_wire_into(open_chunk.acc, part.data, part.dtype, self._scratch_for(part))
+        open_chunk.ranks.add(part.rank)
+        if len(open_chunk.ranks) < open_chunk.world_size:
+            return []
+        return [self._complete(chunk, open_chunk, job)]
+
+    def expire(self) -> list[Delivery]:
+        """Fail open chunks older than the round timeout; forget old failures."""
+        now = self._clock()
+        self._failed = {cid: f for cid, f in self._failed.items() if f.expires_s > now}
+        late = [cid for cid, c in self._open.items()
+                if now - c.started_s >= self.round_timeout_s]
+        deliveries = []
+        for cid in late:
+            chunk = self._open[cid]
+            missing = sorted(set(range(chunk.world_size)) - chunk.ranks)
+            message = (f"{cid.describe()}: no contribution from rank(s) "
+                       f"{', '.join(map(str, missing))} of {chunk.world_size} "
+                       f"within the round timeout of {self.round_timeout_s:g} s")
+            deliveries.append(self._fail(cid, DEADLINE_EXCEEDED, message,
+                                         tuple(chunk.sinks)))
+        return deliveries
+
+    def fail_all(self, code: str, reason: str) -> list[Delivery]:
+        """Fail every open chunk (used when the daemon shuts down)."""
+        return [self._fail(cid, code, f"{cid.describe()}: {reason}", tuple(c.sinks))
+                for cid, c in list(self._open.items())]
+
+    def drop_sink(self, sink: Hashable) -> None:
+        """Forget a stream that ended; its counted contributions stay counted."""
+        for chunk in self._open.values():
+            if sink in chunk.sinks:
+                chunk.sinks[:] = [s for s in chunk.sinks if s is not sink]
+
+    # -- internals -----------------------------------------------------------
+
+    def _open_chunk(self, cid: ChunkId, part: Contribution, sink: Hashable,
+                    now: float, job: JobStats) -> list[Delivery]:
+        nbytes = part.numel * 4
+        if not self.accepting_new_chunks:
+            return [self._fail(cid, UNAVAILABLE, f"{cid.describe()}: daemon is shutting "
+                               "down and opens no new chunks", (sink,), part)]
+        if self.bytes_held + nbytes > self.max_inflight_bytes:
+            message = (f"{cid.describe()}: daemon holds {self.bytes_held} bytes for open "
+                       f"chunks; this chunk needs {nbytes} more, over the limit of "
+                       f"{self.max_inflight_bytes} (--max-inflight-bytes)")
+            return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
+        acc = np.empty(part.numel, dtype=np.float32)
+        wire.copy_wire_into(acc, part.data, part.dtype)
+        chunk = _OpenChunk(first_rank=part.rank, world_size=part.world_size,
+                           dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
+                           started_s=now, ranks={part.rank}, sinks=[sink])
+        self.bytes_held += nbytes
+        job.open_chunks += 1
+        if part.world_size == 1:
+            return [self._complete(cid, chunk, job)]
+        self._open[cid] = chunk
+        return []
+
+    def _complete(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> Delivery:
+        acc = chunk.acc
+        if chunk.op == pb.REDUCE_OP_MEAN:
+            # Divide the float32 sum once, before the single rounding to the wire dtype.
+            np.divide(acc, np.float32(chunk.world_size), out=acc)
+        data = wire.to_wire(acc, chunk.dtype).tobytes()
+        self._release(cid, chunk, job)
+        job.chunks_completed += 1
+        job.bytes_out += len(data) * len(chunk.sinks)
+        return Delivery(cid, chunk.dtype, chunk.op, chunk.world_size,
+                        tuple(chunk.sinks), data=data)
+
+    def _fail(self, cid: ChunkId, code: str, message: str, sinks: tuple[Hashable, ...],
+              part: Contribution | None = None) -> Delivery:
+        chunk = self._open.get(cid)
+        job = self.jobs[cid.job]
+        if chunk is not None:
+            self._release(cid, chunk, job)
+        job.chunks_failed += 1
+        self._failed[cid] = _Failure(code, message, self._clock() + self.round_timeout_s)
+        ref = chunk or part
+        assert ref is not None
+        return Delivery(cid, ref.dtype, ref.op, ref.world_size, sinks,
+                        error_code=code, error_message=message)
+
+    def _error(self, cid: ChunkId, part: Contribution, sinks: tuple[Hashable, ...],
+               code: str, message: str) -> Delivery:
+        return Delivery(cid, part.dtype, part.op, part.world_size, sinks,
+                        error_code=code, error_message=message)
+
+    def _release(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> None:
+        if self._open.pop(cid, None) is not None or chunk.world_size == 1:
+            self.bytes_held -= chunk.acc.nbytes
+            job.open_chunks -= 1
+
+    def _scratch_for(self, part: Contribution) -> np.ndarray | None:
+        if part.dtype != pb.DTYPE_BFLOAT16:
+            return None
+        if self._scratch.size < part.numel:
+            self._scratch = np.empty(part.numel, dtype=np.float32)
+        return self._scratch
+
+
+def _mismatch(chunk: _OpenChunk, part: Contribution) -> str:
+    """Describe how `part` disagrees with the chunk's first contribution, or ''."""
+    for name, ours, theirs in (
+        ("dtype", DTYPE_NAMES[chunk.dtype], DTYPE_NAMES[part.dtype]),
+        ("op", OP_NAMES[chunk.op], OP_NAMES[part.op]),
+        ("world_size", chunk.world_size, part.world_size),
+        ("length", chunk.numel, part.numel),
+    ):
+        if ours != theirs:
+            return (f"rank {part.rank} sent {name} {theirs} but rank {chunk.first_rank} "
+                    f"sent {name} {ours}")
+    return ""

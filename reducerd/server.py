@@ -1,0 +1,166 @@
+"""The daemon object: builds the gRPC server from a Config, serves, drains.
+
+Nothing starts on import. `Daemon(config).run()` serves until SIGTERM or
+SIGINT, then drains: health goes NOT_SERVING, new streams are refused, open
+rounds get `drain_grace_s` to finish, what is left fails with UNAVAILABLE,
+and the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducerd import __version__
+from reducerd.config import Config
+from reducerd.reduction import UNAVAILABLE, ReductionTable
+from reducerd.service import ReducerService
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("reducerd")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reducer"].full_name
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    """Refuse calls without `authorization: Bearer <token>` (constant-time compare)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)  # probes carry no token
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and hmac.compare_digest(
+                    value.encode() if isinstance(value, str) else value, self._expected):
+                return await continuation(details)
+        return _deny(details.method)
+
+
+def _deny(method: str):
+    async def abort(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong token: send metadata "
+                            "'authorization: Bearer <token>'")
+    if method.endswith("/Reduce"):
+        return grpc.stream_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class Daemon:
+    """One reducer daemon built from a validated Config."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes)
+        self.service = ReducerService(self.table)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else None
+        self.port: int | None = None
+        self._stop = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; return the bound port."""
+        cfg = self.config
+        interceptors = []
+        token = cfg.auth_token()
+        if token:
+            interceptors.append(_TokenAuth(token))
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        pb_grpc.add_ReducerServicer_to_server(self.service, server)
+        self.health = _health_servicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if cfg.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+                root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+                require_client_auth=bool(cfg.tls_client_ca))
+            self.port = server.add_secure_port(cfg.listen, credentials)
+        else:
+            self.port = server.add_insecure_port(cfg.listen)
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        host = cfg.listen.rpartition(":")[0]
+        log.info("listening on %s:%d%s%s", host, self.port, " (TLS)" if cfg.tls_cert else "",
+                 " (token required)" if token else "")
+        return self.port
+
+    async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
+        """Start, serve until stop() (or a signal), then drain and stop."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        if on_ready is not None and self.port is not None:
+            on_ready(self.port)
+        expiry = asyncio.create_task(self._expire_loop())
+        await self._stop.wait()
+        await self._drain()
+        expiry.cancel()
+
+    def stop(self) -> None:
+        """Ask the daemon to drain and stop (safe from a signal handler)."""
+        self._stop.set()
+
+    async def _expire_loop(self) -> None:
+        period_s = min(0.2, self.config.round_timeout_s / 10)
+        while True:
+            await asyncio.sleep(period_s)
+            self.service.deliver(self.table.expire())
+
+    async def _drain(self) -> None:
+        grace_s = self.config.drain_grace_s
+        log.info("draining: %d open chunk(s), up to %g s", self.table.open_chunk_count,
+                 grace_s)
+        assert self._server is not None and self.health is not None
+        await self.health.enter_graceful_shutdown()
+        self.service.draining = True
+        self.table.accepting_new_chunks = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.table.open_chunk_count and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.table.open_chunk_count:
+            log.warning("failing %d open chunk(s) still incomplete after %g s",
+                        self.table.open_chunk_count, grace_s)
+            self.service.deliver(self.table.fail_all(UNAVAILABLE,
+                                                     "daemon shut down before the round completed"))
+        await asyncio.sleep(0.05)  # let the outboxes flush
+        await self._server.stop(grace=1.0)
+        log.info("stopped")
+
+
+def _health_servicer():
+    return health.aio.HealthServicer()
+
+
+def _read(path: str | None) -> bytes:
+    assert path
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def version() -> str:
+    return __version__

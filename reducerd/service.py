@@ -1,0 +1,195 @@
+"""The gRPC servicer: parse and check shards, route them to the table, reply.
+
+Each Reduce stream gets an outbox queue. A reader task feeds the stream's
+shards to the ReductionTable; whatever the table says to deliver is put into
+the outboxes of the streams waiting for it, and the handler writes them out.
+All of this runs on the one event loop thread, as the table requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import grpc
+
+from reducer_client import wire
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducerd import __version__
+from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
+
+log = logging.getLogger("reducerd")
+
+MAX_OFFSET = 1 << 63
+INBAND_METADATA = ("reducer-errors", "inband")
+STALLED_AFTER_S = 5.0
+_END = object()
+
+
+class _Stream:
+    """One Reduce call: its outbox and the chunks it still waits for."""
+
+    def __init__(self, peer: str, inband_errors: bool) -> None:
+        self.peer = peer
+        self.inband_errors = inband_errors
+        self.outbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.waiting: set[ChunkId] = set()
+        self.half_closed = False
+
+    def maybe_finish(self) -> None:
+        if self.half_closed and not self.waiting:
+            self.outbox.put_nowait(_END)
+
+
+class _Throughput:
+    """Bytes per second over a sliding window, from cumulative counters."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int, int]] = deque()
+
+    def rate(self, now: float, bytes_in: int, bytes_out: int) -> tuple[float, float]:
+        self.samples.append((now, bytes_in, bytes_out))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        t0, in0, out0 = self.samples[0]
+        span = now - t0
+        if span <= 0:
+            return 0.0, 0.0
+        return (bytes_in - in0) / span, (bytes_out - out0) / span
+
+
+def check_shard(shard: pb.Shard) -> str:
+    """Why this shard is invalid on its own, or '' if it is fine."""
+    if not shard.job:
+        return "job is empty"
+    if not shard.key:
+        return "key is empty"
+    if shard.dtype not in wire.WIRE_DTYPES.values():
+        return f"dtype {shard.dtype} is unspecified or unknown"
+    if shard.op not in (pb.REDUCE_OP_UNSPECIFIED, pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN):
+        return f"op {shard.op} is unknown"
+    if shard.world_size == 0:
+        return "world_size is 0"
+    if shard.rank >= shard.world_size:
+        return f"rank {shard.rank} is not below world_size {shard.world_size}"
+    itemsize = wire.wire_itemsize(shard.dtype)
+    if not shard.data:
+        return "data is empty"
+    if len(shard.data) % itemsize:
+        return (f"data has {len(shard.data)} bytes, not a whole number of "
+                f"{itemsize}-byte elements")
+    if shard.offset + len(shard.data) // itemsize > MAX_OFFSET:
+        return "offset + elements passes 2^63"
+    return ""
+
+
+class ReducerService(pb_grpc.ReducerServicer):
+    """Reduce and GetStatus over one ReductionTable."""
+
+    def __init__(self, table: ReductionTable) -> None:
+        self.table = table
+        self.streams: set[_Stream] = set()
+        self.draining = False
+        self.started_s = time.monotonic()
+        self._throughput: dict[str, _Throughput] = {}
+
+    async def Reduce(self, request_iterator, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down")
+        inband = INBAND_METADATA in tuple(context.invocation_metadata() or ())
+        stream = _Stream(context.peer(), inband)
+        self.streams.add(stream)
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            while True:
+                item = await stream.outbox.get()
+                if item is _END:
+                    return
+                if isinstance(item, tuple):  # (code, message): end the stream
+                    await context.abort(*item)
+                yield item
+        finally:
+            reader.cancel()
+            self.streams.discard(stream)
+            self.table.drop_sink(stream)
+
+    async def _read(self, request_iterator, stream: _Stream) -> None:
+        try:
+            async for shard in request_iterator:
+                problem = check_shard(shard)
+                if problem:
+                    stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
+                                              f"invalid shard (job {shard.job!r} key "
+                                              f"{shard.key!r} round {shard.round} rank "
+                                              f"{shard.rank}): {problem}"))
+                    return
+                self._note_job(shard)
+                cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
+                part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
+                                    shard.data)
+                stream.waiting.add(cid)
+                self.deliver(self.table.contribute(cid, part, stream))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken stream; the handler ends with it
+            log.debug("stream from %s ended: %r", stream.peer, exc)
+            return
+        stream.half_closed = True
+        stream.maybe_finish()
+
+    def _note_job(self, shard: pb.Shard) -> None:
+        if shard.job not in self.table.jobs:
+            log.info("job %r first seen (world size %d)", shard.job, shard.world_size)
+
+    def deliver(self, deliveries: list[Delivery]) -> None:
+        """Put each delivery's reply into its streams' outboxes."""
+        for d in deliveries:
+            reply = pb.Shard(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
+                             offset=d.chunk.offset, dtype=d.dtype, op=d.op,
+                             world_size=d.world_size, data=d.data)
+            if d.error_code:
+                log.warning("chunk failed (%s): %s", d.error_code, d.error_message)
+                reply.error_code = getattr(grpc.StatusCode, d.error_code).value[0]
+                reply.error_message = d.error_message
+            for sink in d.sinks:
+                stream: _Stream = sink  # type: ignore[assignment]
+                if d.error_code and not stream.inband_errors:
+                    stream.outbox.put_nowait((getattr(grpc.StatusCode, d.error_code),
+                                              d.error_message))
+                else:
+                    stream.outbox.put_nowait(reply)
+                stream.waiting.discard(d.chunk)
+                stream.maybe_finish()
+
+    async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+        now = time.monotonic()
+        reply = pb.StatusReply(
+            version=__version__, uptime_s=now - self.started_s,
+            bytes_held=self.table.bytes_held,
+            max_inflight_bytes=self.table.max_inflight_bytes,
+            open_streams=len(self.streams), stalled_after_s=STALLED_AFTER_S,
+            round_timeout_s=self.table.round_timeout_s)
+        for name, stats in sorted(self.table.jobs.items()):
+            if request.job and name != request.job:
+                continue
+            rate_in, rate_out = self._throughput.setdefault(name, _Throughput()).rate(
+                now, stats.bytes_in, stats.bytes_out)
+            reply.jobs.add(job=name, chunks_completed=stats.chunks_completed,
+                           chunks_failed=stats.chunks_failed,
+                           open_chunks=stats.open_chunks, bytes_in=stats.bytes_in,
+                           bytes_out=stats.bytes_out, bytes_in_per_s=rate_in,
+                           bytes_out_per_s=rate_out, world_sizes=sorted(stats.world_sizes),
+                           first_seen_unix_s=stats.first_seen_s)
+        for cid, world_size, missing, age_s in self.table.open_chunks():
+            if age_s < STALLED_AFTER_S or len(reply.stalled) >= 100:
+                break
+            if request.job and cid.job != request.job:
+                continue
+            reply.stalled.add(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
+                              world_size=world_size, missing_ranks=missing, age_s=age_s)
+        return reply
