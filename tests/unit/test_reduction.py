@@ -1,0 +1,126 @@
+"""The reduction table alone: float32 accumulation, MEAN, failures, retries."""
+
+import numpy as np
+import pytest
+
+from reducer_client import wire
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducerd.reduction import ChunkId, Contribution, ReductionTable
+
+F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32
+SUM, MEAN = pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN
+CID = ChunkId("job", "k", 0, 0)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def part(rank, values, world_size=2, dtype=F16, op=SUM):
+    data = wire.to_wire(np.asarray(values, dtype=np.float32), dtype).tobytes()
+    return Contribution(rank, world_size, dtype, op, data)
+
+
+def decode(delivery, n):
+    out = np.empty(n, dtype=np.float64)
+    wire.from_wire(delivery.data, delivery.dtype, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+def test_sum_is_float32_accumulation_rounded_once(dtype):
+    table = ReductionTable(60, 1 << 30)
+    world = 16
+    values = [np.float32(1.0)] + [np.float32(2.0 ** -8)] * (world - 1)
+    deliveries = []
+    for rank, value in enumerate(values):
+        deliveries += table.contribute(CID, part(rank, [value], world, dtype), sink=rank)
+    (done,) = deliveries
+    assert set(done.sinks) == set(range(world))
+    # Exact float32 sum 1 + 15/256 rounded once to the wire dtype; a float16
+    # or bfloat16 running sum would lose the small terms one by one.
+    expected = wire.to_wire(np.float32(1 + 15 / 256), dtype)
+    assert done.data == expected.tobytes()
+    assert table.bytes_held == 0 and table.open_chunk_count == 0
+
+
+def test_mean_divides_in_float32_before_rounding():
+    table = ReductionTable(60, 1 << 30)
+    table.contribute(CID, part(0, [1.0, 65504.0], 3, op=MEAN), "a")
+    table.contribute(CID, part(1, [2.0, 65504.0], 3, op=MEAN), "b")
+    (done,) = table.contribute(CID, part(2, [4.0, 65504.0], 3, op=MEAN), "c")
+    # 3 * 65504 overflows float16, but the float32 sum / 3 does not.
+    assert decode(done, 2).tolist() == [np.float16(7 / 3), 65504.0]
+
+
+def test_retry_is_not_counted_twice_and_both_streams_get_the_result():
+    table = ReductionTable(60, 1 << 30)
+    assert table.contribute(CID, part(0, [1.0]), "first-stream") == []
+    assert table.contribute(CID, part(0, [1.0]), "retry-stream") == []
+    (done,) = table.contribute(CID, part(1, [2.0]), "other")
+    assert decode(done, 1).tolist() == [3.0]
+    assert set(done.sinks) == {"first-stream", "retry-stream", "other"}
+
+
+@pytest.mark.parametrize("field,bad", [("length", dict(values=[1.0, 2.0])),
+                                       ("dtype", dict(dtype=F32)),
+                                       ("op", dict(op=MEAN)),
+                                       ("world_size", dict(world_size=3))])
+def test_mismatch_fails_the_chunk_for_every_contributor(field, bad):
+    table = ReductionTable(60, 1 << 30)
+    table.contribute(CID, part(0, [1.0]), "r0")
+    kwargs = dict(values=[1.0]) | bad
+    (failed,) = table.contribute(CID, part(1, **kwargs), "r1")
+    assert failed.error_code == "INVALID_ARGUMENT"
+    assert set(failed.sinks) == {"r0", "r1"}
+    assert f"rank 1 sent {field}" in failed.error_message and "rank 0" in failed.error_message
+    assert "'job'" in failed.error_message and "'k'" in failed.error_message
+    assert table.bytes_held == 0
+    # A rank arriving after the failure learns it at once.
+    (late,) = table.contribute(CID, part(0, [1.0]), "r0-retry")
+    assert late.error_code == "INVALID_ARGUMENT" and late.sinks == ("r0-retry",)
+    # Other chunks are unaffected.
+    other = ChunkId("job", "k", 1, 0)
+    table.contribute(other, part(0, [1.0]), "r0")
+    (ok,) = table.contribute(other, part(1, [1.0]), "r1")
+    assert decode(ok, 1).tolist() == [2.0]
+
+
+def test_timeout_names_the_missing_ranks_and_frees_memory():
+    clock = Clock()
+    table = ReductionTable(5.0, 1 << 30, clock=clock)
+    table.contribute(CID, part(0, [1.0] * 100, world_size=4), "r0")
+    table.contribute(CID, part(2, [1.0] * 100, world_size=4), "r2")
+    assert table.bytes_held == 400
+    clock.now = 4.9
+    assert table.expire() == []
+    clock.now = 5.0
+    (failed,) = table.expire()
+    assert failed.error_code == "DEADLINE_EXCEEDED"
+    assert "rank(s) 1, 3 of 4" in failed.error_message
+    assert "round 0" in failed.error_message and "'k'" in failed.error_message
+    assert set(failed.sinks) == {"r0", "r2"}
+    assert table.bytes_held == 0 and table.open_chunk_count == 0
+    assert table.jobs["job"].chunks_failed == 1
+
+
+def test_memory_limit_refuses_new_chunks_with_resource_exhausted():
+    table = ReductionTable(60, max_inflight_bytes=1000)
+    table.contribute(CID, part(0, [1.0] * 200), "a")  # 800 bytes of float32
+    other = ChunkId("job", "k2", 0, 0)
+    (refused,) = table.contribute(other, part(0, [1.0] * 100), "a")
+    assert refused.error_code == "RESOURCE_EXHAUSTED"
+    assert "--max-inflight-bytes" in refused.error_message
+    (still,) = table.contribute(other, part(1, [1.0] * 100), "b")  # same verdict
+    assert still.error_code == "RESOURCE_EXHAUSTED"
+
+
+def test_world_size_one_completes_at_once():
+    table = ReductionTable(60, 1 << 30)
+    (done,) = table.contribute(CID, part(0, [3.0], world_size=1, op=MEAN), "a")
+    assert decode(done, 1).tolist() == [3.0]
+    assert table.bytes_held == 0

@@ -1,0 +1,71 @@
+"""Daemon Config (flags, TOML) and client settings from the environment."""
+
+import argparse
+import json
+
+import pytest
+
+from reducer_client.env import settings_from_env
+from reducerd.config import ConfigError, add_arguments, config_from_args
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_flags_override_toml(tmp_path):
+    path = tmp_path / "reducerd.toml"
+    path.write_text('listen = "127.0.0.1:7000"\nround-timeout = 12\n'
+                    'max_inflight_bytes = 4096\n')
+    config = parse("--config", str(path), "--round-timeout", "3.5")
+    assert config.listen == "127.0.0.1:7000"
+    assert config.round_timeout_s == 3.5 and config.max_inflight_bytes == 4096
+
+
+@pytest.mark.parametrize("toml,message", [
+    ('listen = "127.0.0.1:1"\nbogus = 1\n', "unknown key 'bogus'"),
+    ('listen = "127.0.0.1:1"\nround_timeout = "soon"\n', "round_timeout"),
+    ('listen = "nohostport"\n', "HOST:PORT"),
+    ('listen = "127.0.0.1:1"\nround_timeout = -1\n', "round_timeout_s: must be > 0"),
+    ('listen = ', "not valid TOML"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, toml, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        parse("--config", str(path))
+
+
+def test_listen_is_required():
+    with pytest.raises(ConfigError, match="listen"):
+        parse()
+
+
+def test_from_env_reducer_variables():
+    settings = settings_from_env({"REDUCER_ADDRESSES": "h1:1, h2:2", "REDUCER_JOB": "bert",
+                                  "REDUCER_RANK": "3", "REDUCER_WORLD_SIZE": "8",
+                                  "REDUCER_TOKEN": "s3cret", "REDUCER_WIRE_DTYPE": "bfloat16"})
+    assert settings == {"addresses": ["h1:1", "h2:2"], "job": "bert", "rank": 3,
+                        "world_size": 8, "token": "s3cret", "wire_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"RANK": "1", "WORLD_SIZE": "4"}, (1, 4)),
+    ({"DMLC_WORKER_ID": "2", "DMLC_NUM_WORKER": "3"}, (2, 3)),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["a"], "worker": ["b", "c"]},
+                               "task": {"type": "worker", "index": 1}})}, (2, 3)),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["b", "c"]},
+                               "task": {"type": "worker", "index": 0}})}, (0, 2)),
+])
+def test_from_env_launcher_variables(env, expected):
+    settings = settings_from_env({"REDUCER_ADDRESSES": "h:1", **env})
+    assert (settings["rank"], settings["world_size"]) == expected
+
+
+def test_from_env_missing_is_a_clear_error():
+    with pytest.raises(ValueError, match="REDUCER_ADDRESSES"):
+        settings_from_env({})
+    with pytest.raises(ValueError, match="REDUCER_RANK"):
+        settings_from_env({"REDUCER_ADDRESSES": "h:1"})

@@ -1,0 +1,84 @@
+"""Wire conversions: bfloat16 bit tricks against an independent oracle."""
+
+import numpy as np
+import pytest
+
+from reducer_client import wire
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+
+BF16 = pb.DTYPE_BFLOAT16
+
+
+def _bits(values):
+    return np.array(values, dtype=np.float32).view(np.uint32)
+
+
+def _bf16_reference(values):
+    """Round float32 to bfloat16 in exact integer arithmetic (Python ints)."""
+    out = []
+    for bits in _bits(values).tolist():
+        if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+            out.append(((bits >> 16) | 0x40) & 0xFFFF)  # NaN stays NaN
+            continue
+        upper, lower = bits >> 16, bits & 0xFFFF
+        if lower > 0x8000 or (lower == 0x8000 and upper & 1):
+            upper += 1
+        out.append(upper & 0xFFFF)
+    return np.array(out, dtype=np.uint16)
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    one = 0x3F800000
+    cases = np.array([one, one + 0x8000, one + 0x18000, one + 0x7FFF, one + 0x8001,
+                      0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80008000],
+                     dtype=np.uint32).view(np.float32)
+    got = wire.bfloat16_bits_from_float32(cases)
+    assert got.tolist() == _bf16_reference(cases).tolist()
+    # ties: 1 + 2^-8 (exactly half an ulp) rounds down to even 1.0, 1 + 3*2^-8 up
+    assert got[1] == 0x3F80 and got[2] == 0x3F82
+    assert got[5] == 0x7F80 and got[6] == 0xFF80  # overflow to +-inf
+
+
+def test_bfloat16_specials():
+    values = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0], dtype=np.float32)
+    nan_low = np.array([0x7F800001], dtype=np.uint32).view(np.float32)  # NaN with low bits only
+    got = wire.bfloat16_bits_from_float32(np.concatenate([values, nan_low]))
+    back = np.empty(got.size, dtype=np.float32)
+    wire.from_wire(got.tobytes(), BF16, back)
+    assert back[0] == np.inf and back[1] == -np.inf
+    assert np.isnan(back[2]) and np.isnan(back[5])
+    assert np.signbit(back[3]) and back[4] == 0
+
+
+def test_bfloat16_random_matches_reference_and_ml_dtypes():
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(20_000) * 10.0 ** rng.integers(-30, 30, 20_000)
+              ).astype(np.float32)
+    got = wire.bfloat16_bits_from_float32(values)
+    assert np.array_equal(got, _bf16_reference(values))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    assert np.array_equal(got, values.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16, pb.DTYPE_FLOAT32])
+@pytest.mark.parametrize("out_dtype", [np.float16, np.float32, np.float64])
+def test_round_trip_of_representable_values_is_exact(dtype, out_dtype):
+    # Small integers are exact in every wire dtype and output dtype.
+    values = np.arange(-100, 100, dtype=np.float32)
+    encoded = wire.to_wire(values, dtype)
+    out = np.empty(values.size, dtype=out_dtype)
+    wire.from_wire(encoded.tobytes(), dtype, out)
+    assert np.array_equal(out, values.astype(out_dtype))
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16, pb.DTYPE_FLOAT32])
+def test_add_accumulates_in_float32(dtype):
+    # 2048 + 1 + 1 ... : float16 alone would stall at 2048 (ulp 2 there).
+    acc = np.empty(4, dtype=np.float32)
+    wire.copy_wire_into(acc, wire.to_wire(np.full(4, 2048.0), dtype).tobytes(), dtype)
+    one = wire.to_wire(np.ones(4), dtype).tobytes()
+    scratch = np.empty(16, dtype=np.float32)
+    for _ in range(10):
+        wire.add_wire_into(acc, one, dtype, scratch)
+    assert acc.tolist() == [2058.0] * 4
+    assert np.float16(2048) + np.float16(1) == np.float16(2048)  # what a float16 ring does
