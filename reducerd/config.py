@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port"]
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+
 from reducerd import __version__
 from reducerd.config import Config
 from reducerd.reduction import UNAVAILABLE, ReductionTable

@@ -15,10 +15,10 @@ from collections import deque
 from typing import Any
 
 import grpc
-
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+
 from reducerd import __version__
 from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
 

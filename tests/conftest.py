@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/support.py for workers too
+# tests/helpers/support.py, importable by spawned workers too (not tests/ itself:
+# tests/torch etc. would then shadow the real frameworks).
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from support import running_daemons  # noqa: E402
 

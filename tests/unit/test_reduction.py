@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 
 F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32

@@ -4,8 +4,8 @@ import argparse
 import json
 
 import pytest
-
 from reducer_client.env import settings_from_env
+
 from reducerd.config import ConfigError, add_arguments, config_from_args
 
 

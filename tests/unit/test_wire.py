@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 
