@@ -73,6 +73,8 @@ class Delivery:
     data: bytes = b""
     error_code: str = ""
     error_message: str = ""
+    # Seconds from the chunk's first contribution to this delivery (0 if it never opened).
+    latency_s: float = 0.0
 
 
 @dataclass
@@ -239,7 +241,8 @@ class ReductionTable:
         job.chunks_completed += 1
         job.bytes_out += len(data) * len(chunk.sinks)
         return Delivery(cid, chunk.dtype, chunk.op, chunk.world_size,
-                        tuple(chunk.sinks), data=data)
+                        tuple(chunk.sinks), data=data,
+                        latency_s=self._clock() - chunk.started_s)
 
     def _fail(self, cid: ChunkId, code: str, message: str, sinks: tuple[Hashable, ...],
               part: Contribution | None = None) -> Delivery:
@@ -251,8 +254,9 @@ class ReductionTable:
         self._failed[cid] = _Failure(code, message, self._clock() + self.round_timeout_s)
         ref = chunk or part
         assert ref is not None
+        latency_s = self._clock() - chunk.started_s if chunk is not None else 0.0
         return Delivery(cid, ref.dtype, ref.op, ref.world_size, sinks,
-                        error_code=code, error_message=message)
+                        error_code=code, error_message=message, latency_s=latency_s)
 
     def _error(self, cid: ChunkId, part: Contribution, sinks: tuple[Hashable, ...],
                code: str, message: str) -> Delivery:
