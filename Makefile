@@ -35,7 +35,7 @@ test-main: $(STAMP)
 
 # The core runs under numpy 1.23 here as well as numpy 2 in .venv.
 test-mxnet: $(STAMP_MX)
-	$(VENV_MX)/bin/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/mxnet \
+	$(VENV_MX)/bin/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/mxnet_shim \
 		-m "not slow"
 
 demo: $(STAMP)
