@@ -400,6 +400,8 @@ class DistributedGradientTape:
         self._tape, self._op, self._name, self._reducer = tape, op, name, reducer
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute == "_tape":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(attribute)
         return getattr(self._tape, attribute)
 
     def __enter__(self) -> DistributedGradientTape:
