@@ -12,6 +12,7 @@ in float32 once all are in, then the result is rounded once to the wire dtype.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -103,6 +104,16 @@ class _OpenChunk:
 
 
 @dataclass
+class _Result:
+    dtype: int
+    op: int
+    world_size: int
+    numel: int
+    data: bytes
+    expires_s: float
+
+
+@dataclass
 class _Failure:
     code: str
     message: str
@@ -116,6 +127,11 @@ class ReductionTable:
     past the round timeout; `drop_sink` forgets a stream that went away.
     A failed chunk is remembered for one round timeout, so ranks that arrive
     after the failure get the same error instead of waiting for nothing.
+
+    A completed chunk's result is kept until the next round of that chunk
+    completes (or one round timeout passes, or the cache needs room), so a
+    contribution resent after a broken stream gets the result again instead of
+    opening the round anew. The cache holds at most `max_inflight_bytes // 2`.
     """
 
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
@@ -127,6 +143,11 @@ class ReductionTable:
         self._clock = clock
         self._open: dict[ChunkId, _OpenChunk] = {}
         self._failed: dict[ChunkId, _Failure] = {}
+        self._results: OrderedDict[ChunkId, _Result] = OrderedDict()
+        # (job, key, offset) -> round of the cached result, to drop older rounds.
+        self._latest_round: dict[tuple[str, str, int], int] = {}
+        self.cached_bytes = 0
+        self.max_cached_bytes = max_inflight_bytes // 2
         self._scratch = np.empty(0, dtype=np.float32)  # bfloat16 widening buffer
         self.accepting_new_chunks = True
 
@@ -158,6 +179,9 @@ class ReductionTable:
         failure = self._failed.get(chunk)
         if failure is not None:
             return [self._error(chunk, part, (sink,), failure.code, failure.message)]
+        result = self._results.get(chunk)
+        if result is not None:
+            return [self._repeat(chunk, result, part, sink)]
 
         open_chunk = self._open.get(chunk)
         if open_chunk is None:
@@ -182,6 +206,8 @@ class ReductionTable:
         """Fail open chunks older than the round timeout; forget old failures."""
         now = self._clock()
         self._failed = {cid: f for cid, f in self._failed.items() if f.expires_s > now}
+        for cid in [cid for cid, r in self._results.items() if r.expires_s <= now]:
+            self._drop_result(cid)
         late = [cid for cid, c in self._open.items()
                 if now - c.started_s >= self.round_timeout_s]
         deliveries = []
@@ -238,6 +264,7 @@ class ReductionTable:
             np.divide(acc, np.float32(chunk.world_size), out=acc)
         data = wire.to_wire(acc, chunk.dtype).tobytes()
         self._release(cid, chunk, job)
+        self._cache_result(cid, chunk, data)
         job.chunks_completed += 1
         job.bytes_out += len(data) * len(chunk.sinks)
         return Delivery(cid, chunk.dtype, chunk.op, chunk.world_size,
@@ -262,6 +289,40 @@ class ReductionTable:
                code: str, message: str) -> Delivery:
         return Delivery(cid, part.dtype, part.op, part.world_size, sinks,
                         error_code=code, error_message=message)
+
+    def _repeat(self, cid: ChunkId, result: _Result, part: Contribution,
+                sink: Hashable) -> Delivery:
+        """Answer a contribution to a chunk that already completed (not counted)."""
+        if (part.dtype, part.numel, part.world_size) != (result.dtype, result.numel,
+                                                         result.world_size):
+            return self._error(cid, part, (sink,), INVALID_ARGUMENT,
+                               f"{cid.describe()}: rank {part.rank} resent a contribution "
+                               "that disagrees with the completed chunk (dtype, length "
+                               "or world_size)")
+        return Delivery(cid, result.dtype, result.op, result.world_size, (sink,),
+                        data=result.data)
+
+    def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, data: bytes) -> None:
+        slot = (cid.job, cid.key, cid.offset)
+        previous = self._latest_round.get(slot)
+        if previous is not None and previous < cid.round:
+            self._drop_result(ChunkId(cid.job, cid.key, previous, cid.offset))
+        if len(data) > self.max_cached_bytes:
+            return
+        while self.cached_bytes + len(data) > self.max_cached_bytes and self._results:
+            self._drop_result(next(iter(self._results)))
+        self._results[cid] = _Result(chunk.dtype, chunk.op, chunk.world_size, chunk.numel,
+                                     data, self._clock() + self.round_timeout_s)
+        self._latest_round[slot] = cid.round
+        self.cached_bytes += len(data)
+
+    def _drop_result(self, cid: ChunkId) -> None:
+        result = self._results.pop(cid, None)
+        if result is not None:
+            self.cached_bytes -= len(result.data)
+            slot = (cid.job, cid.key, cid.offset)
+            if self._latest_round.get(slot) == cid.round:
+                del self._latest_round[slot]
 
     def _release(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> None:
         if self._open.pop(cid, None) is not None or chunk.world_size == 1:

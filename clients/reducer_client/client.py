@@ -20,6 +20,7 @@ from reducer_client.env import settings_from_env
 from reducer_client.errors import ReducerError
 from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
 from reducer_client.link import DaemonLink
+from reducer_client.tls import TLSConfig, channel_credentials
 
 __all__ = ["ReducerClient"]
 
@@ -94,11 +95,15 @@ class ReducerClient:
     are spread over all daemons the same way on every worker, so each worker
     sends each element once and receives each reduced element once.
     Thread-safe; use as a context manager or call close().
+
+    token: sent as `authorization: Bearer <token>`. tls: True for TLS with the
+    system's roots, or a TLSConfig (own CA, client certificate for mutual TLS).
     """
 
     def __init__(self, addresses: Sequence[str], job: str, rank: int, world_size: int,
                  wire_dtype: str = "float16", timeout: float = 60.0,
-                 token: str | None = None, chunk_bytes: int | None = None) -> None:
+                 token: str | None = None, chunk_bytes: int | None = None,
+                 tls: TLSConfig | bool | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
         if not addresses:
@@ -120,7 +125,13 @@ class ReducerClient:
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
         metadata = [("authorization", f"Bearer {token}")] if token else []
-        self._links = [DaemonLink(a, metadata) for a in self.addresses]
+        if tls is True:
+            tls = TLSConfig()
+        credentials = channel_credentials(tls) if tls else None
+        extra_options = ([("grpc.ssl_target_name_override", tls.server_name)]
+                         if isinstance(tls, TLSConfig) and tls.server_name else [])
+        self._links = [DaemonLink(a, metadata, credentials, extra_options)
+                       for a in self.addresses]
         # _lock guards _rounds, _active and _closed (caller threads, the
         # reader threads via _retire/_forget, and the watchdog).
         self._lock = threading.Lock()
@@ -211,7 +222,7 @@ class ReducerClient:
             round_ = self._rounds[key]
             self._rounds[key] = round_ + 1
         if root_rank is not None and root_rank != self.rank:
-            flat = np.zeros_like(flat)
+            flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
         out = np.empty(flat.size, dtype=array.dtype)
         chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
                              self.chunk_bytes, key)

@@ -1,7 +1,9 @@
 """Client settings from the environment: the one place the core reads it.
 
 REDUCER_ADDRESSES (comma-separated HOST:PORT), REDUCER_JOB, REDUCER_TOKEN,
-REDUCER_WIRE_DTYPE, REDUCER_TIMEOUT (seconds), REDUCER_CHUNK_BYTES; rank and
+REDUCER_WIRE_DTYPE, REDUCER_TIMEOUT (seconds), REDUCER_CHUNK_BYTES, TLS with
+REDUCER_TLS=1 (system roots) or REDUCER_TLS_CA / REDUCER_TLS_CERT /
+REDUCER_TLS_KEY / REDUCER_TLS_SERVER_NAME (files, name override); rank and
 world size from REDUCER_RANK / REDUCER_WORLD_SIZE, else the launcher's own:
 torchrun (RANK / WORLD_SIZE), TensorFlow (TF_CONFIG), MXNet / ps-lite
 (DMLC_WORKER_ID / DMLC_NUM_WORKER).
@@ -70,4 +72,13 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         settings["timeout"] = float(environ["REDUCER_TIMEOUT"])
     if environ.get("REDUCER_CHUNK_BYTES"):
         settings["chunk_bytes"] = _int(environ, "REDUCER_CHUNK_BYTES")
+    tls_files = {field: environ.get(f"REDUCER_TLS_{name}") or None
+                 for field, name in (("ca_file", "CA"), ("cert_file", "CERT"),
+                                     ("key_file", "KEY"), ("server_name", "SERVER_NAME"))}
+    if any(tls_files.values()):
+        from reducer_client.tls import TLSConfig
+
+        settings["tls"] = TLSConfig(**tls_files)
+    elif environ.get("REDUCER_TLS", "").lower() in ("1", "true", "yes"):
+        settings["tls"] = True
     return settings

@@ -5,6 +5,14 @@ back on a reader thread, so sending and receiving overlap and any number of
 chunks can be in flight. Replies are matched to waiting chunks by
 (key, round, offset); the daemon reports a failed chunk in-band (we ask for
 that with call metadata) so one bad chunk does not end the stream.
+
+Recovery: when the stream breaks with a retryable status (the daemon restarted
+or went away), the link opens a new stream, waits for the daemon, and resends
+first its contribution to the last completed round of every chunk it has seen
+(the contract keeps it until the next round of that chunk completes), then
+every contribution still waiting. The daemon counts each rank once, so ranks
+that missed a result get it and the others ignore the repeat. That costs one
+wire copy of this daemon's share of the model in client memory.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +42,16 @@ ReplyHandler = Callable[[pb.Shard | None, ReducerError | None], None]
 _CLOSE = object()
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_MESSAGE_BYTES = 64 << 20
+# A restarted daemon is found within ~1 s; gRPC's default backoff grows to 120 s.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_RETRY_DELAYS_S = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def status_code_from_value(value: int) -> grpc.StatusCode:
@@ -43,22 +62,26 @@ class DaemonLink:
     """The client's connection to one daemon; thread-safe."""
 
     def __init__(self, address: str, metadata: Sequence[tuple[str, str]],
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 extra_options: Sequence[tuple[str, Any]] = ()) -> None:
         self.address = address
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.keepalive_time_ms", 30_000)]
+        options = [*_CHANNEL_OPTIONS, *extra_options]
         self._channel = (grpc.secure_channel(address, credentials, options) if credentials
                          else grpc.insecure_channel(address, options))
         self._stub = pb_grpc.ReducerStub(self._channel)
         self._metadata = (*metadata, ("reducer-errors", "inband"))
         self._connectivity = grpc.ChannelConnectivity.IDLE
         self._channel.subscribe(self._on_connectivity, try_to_connect=True)
-        # _lock guards _pending, _outbox and _closed; taken by callers of send()
-        # and by the reader thread. Handlers are called outside it.
+        # _lock guards _pending, _completed, _outbox, _retries and _closed; taken
+        # by callers of send() and by the reader thread. Handlers run outside it.
         self._lock = threading.Lock()
-        self._pending: dict[PendingKey, ReplyHandler] = {}
+        self._pending: dict[PendingKey, tuple[ReplyHandler, pb.Shard]] = {}
+        # (key, offset) -> our contribution to the last completed round.
+        self._completed: dict[tuple[str, int], pb.Shard] = {}
         self._outbox: queue.SimpleQueue[Any] | None = None
+        self._retries = 0
+        self._streams_opened = 0
+        self.reconnects = 0
         self._closed = False
 
     def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
@@ -77,7 +100,7 @@ class DaemonLink:
                 self._open_stream()
             assert self._outbox is not None
             for shard, handler in zip(shards, handlers, strict=True):
-                self._pending[(shard.key, shard.round, shard.offset)] = handler
+                self._pending[(shard.key, shard.round, shard.offset)] = (handler, shard)
             for shard in shards:
                 self._outbox.put(shard)
 
@@ -98,10 +121,21 @@ class DaemonLink:
         self._channel.close()
 
     def _open_stream(self) -> None:
+        """Open a new stream (caller holds _lock); after the first, resend history.
+
+        Whether the old stream broke with shards in flight or after its last
+        reply, the daemon may have lost the last completed round of some chunk
+        before every rank had its result, so that round goes out again first.
+        """
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         call = self._stub.Reduce(iter(outbox.get, _CLOSE), metadata=self._metadata,
                                  wait_for_ready=True)
         self._outbox = outbox
+        if self._streams_opened:
+            self.reconnects += 1
+            for shard in self._completed.values():
+                outbox.put(shard)
+        self._streams_opened += 1
         threading.Thread(target=self._read, args=(call, outbox), daemon=True,
                          name=f"reducer-link-{self.address}").start()
 
@@ -110,28 +144,62 @@ class DaemonLink:
         try:
             for reply in call:
                 with self._lock:
-                    handler = self._pending.pop((reply.key, reply.round, reply.offset), None)
-                if handler is None:
+                    entry = self._pending.pop((reply.key, reply.round, reply.offset), None)
+                    if entry is not None and not reply.error_code:
+                        self._completed[(reply.key, reply.offset)] = entry[1]
+                        self._retries = 0
+                if entry is None:
                     continue  # a late reply to an operation that gave up, or a repeat
                 if reply.error_code:
-                    handler(None, ReducerError(status_code_from_value(reply.error_code),
-                                               f"daemon {self.address}: "
-                                               f"{reply.error_message}"))
+                    entry[0](None, ReducerError(status_code_from_value(reply.error_code),
+                                                f"daemon {self.address}: "
+                                                f"{reply.error_message}"))
                 else:
-                    handler(reply, None)
+                    entry[0](reply, None)
         except grpc.RpcError as exc:
             error = ReducerError(exc.code(), f"daemon {self.address}: {exc.details()}")
         except Exception as exc:  # a bug in a handler must not hang the others
             log.exception("reply handler failed")
             error = ReducerError(grpc.StatusCode.INTERNAL, f"client error: {exc!r}")
+        self._stream_ended(outbox, error)
+
+    def _stream_ended(self, outbox: queue.SimpleQueue[Any], error: ReducerError | None,
+                      ) -> None:
+        """Resend what is open on a new stream if worth it, else fail it."""
+        # A stream the daemon ended with OK while we still waited (it was
+        # shutting down or closed an idle stream) is as retryable as a crash.
+        retryable = error is None or error.retryable
         with self._lock:
             if self._outbox is outbox:
-                self._outbox = None  # the next send opens a new stream
+                self._outbox = None
                 outbox.put(_CLOSE)
-            failed, self._pending = self._pending, {}
-        if failed:
-            error = error or ReducerError(grpc.StatusCode.UNAVAILABLE,
-                                          f"daemon {self.address} ended the stream with "
-                                          f"{len(failed)} chunk(s) unanswered")
-            for handler in failed.values():
-                handler(None, error)
+            if not self._pending:
+                return
+            attempt = self._retries
+            self._retries += 1
+            retry = (retryable and not self._closed and attempt < len(_RETRY_DELAYS_S))
+            if not retry:
+                failed, self._pending = self._pending, {}
+        if retry:
+            time.sleep(_RETRY_DELAYS_S[attempt])
+            self._resend(error)
+            return
+        error = error or ReducerError(grpc.StatusCode.UNAVAILABLE,
+                                      f"daemon {self.address} ended the stream with "
+                                      f"{len(failed)} chunk(s) unanswered")
+        for handler, _ in failed.values():
+            handler(None, error)
+
+    def _resend(self, cause: ReducerError | None) -> None:
+        with self._lock:
+            if self._closed or not self._pending:
+                return
+            if self._outbox is None:
+                self._open_stream()
+            assert self._outbox is not None
+            log.warning("daemon %s: stream broke (%s); resending %d open and %d "
+                        "completed chunk(s)", self.address,
+                        cause.code.name if cause else "ended early", len(self._pending),
+                        len(self._completed))
+            for _, shard in self._pending.values():
+                self._outbox.put(shard)

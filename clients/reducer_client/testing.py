@@ -10,6 +10,7 @@ wire dtypes belong with the real daemons.
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future
 
@@ -49,7 +50,8 @@ class LocalGroup:
             if len(slot["parts"]) < self.world_size:
                 return
             del self._slots[(key, round_)]
-        total = sum(p.astype(np.float64) for p, _ in slot["parts"].values())
+        parts = [p.astype(np.float64) for p, _ in slot["parts"].values()]
+        total = functools.reduce(np.add, parts)  # no 0 start: keeps -0.0
         if op == "mean":
             total = total / self.world_size
         for fut, dtype, shape in slot["futures"]:
@@ -82,7 +84,7 @@ class LocalClient:
 
     def broadcast_async(self, array, key, root_rank=0) -> Future:
         array = np.asarray(array)
-        data = array if self.rank == root_rank else np.zeros_like(array)
+        data = array if self.rank == root_rank else np.full_like(array, -0.0)
         return self.allreduce_async(data, key, "sum")
 
     def broadcast(self, array, key, root_rank=0):

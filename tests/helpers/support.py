@@ -157,10 +157,13 @@ def run_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (
                         rank, ok, value = results.get()
                         collected[rank] = (ok, value)
                     dead = [r for r in dead if r not in collected]
-                    if dead:
+                    if dead and not allow_errors:
                         raise WorkerFailed(f"worker(s) {dead} died without a result "
                                            f"(exit codes {[procs[r].exitcode for r in dead]})"
                                            ) from None
+                    for r in dead:
+                        collected[r] = (False, f"worker {r} died without a result "
+                                               f"(exit code {procs[r].exitcode})")
                 continue
             collected[rank] = (ok, value)
     finally:

@@ -124,3 +124,24 @@ def test_world_size_one_completes_at_once():
     (done,) = table.contribute(CID, part(0, [3.0], world_size=1, op=MEAN), "a")
     assert decode(done, 1).tolist() == [3.0]
     assert table.bytes_held == 0
+
+
+def test_contribution_resent_after_completion_gets_the_cached_result():
+    clock = Clock()
+    table = ReductionTable(10.0, 1 << 30, clock=clock)
+    table.contribute(CID, part(0, [1.0]), "r0")
+    table.contribute(CID, part(1, [2.0]), "r1")
+    (repeat,) = table.contribute(CID, part(1, [2.0]), "r1-reconnected")
+    assert decode(repeat, 1).tolist() == [3.0] and repeat.sinks == ("r1-reconnected",)
+    assert table.open_chunk_count == 0 and table.cached_bytes == 2
+    # The next round of the chunk completing drops the older result.
+    nxt = ChunkId("job", "k", 1, 0)
+    table.contribute(nxt, part(0, [1.0]), "r0")
+    table.contribute(nxt, part(1, [1.0]), "r1")
+    assert CID not in table._results and table.cached_bytes == 2
+    clock.now = 10.0
+    table.expire()
+    assert table.cached_bytes == 0
+    # Once forgotten, a resend opens the round anew (it is counted once per rank).
+    assert table.contribute(CID, part(1, [2.0]), "late") == []
+    assert table.open_chunk_count == 1
