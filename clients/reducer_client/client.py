@@ -271,15 +271,15 @@ class ReducerClient:
                 operation.fail(self._timeout_error(operation))
 
     def _timeout_error(self, operation: _Operation) -> ReducerError:
-        down = [link.address for link in self._links
-                if link.connectivity in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-                                         grpc.ChannelConnectivity.SHUTDOWN)]
-        if down:
+        where = (f"job {self.job!r} key {operation.key!r} round {operation.round} "
+                 f"(rank {self.rank} of {self.world_size})")
+        daemons = {chunk.daemon for chunk in operation.chunks}
+        broken = [self._links[d] for d in sorted(daemons) if self._links[d].last_error]
+        if broken:
+            reasons = "; ".join(f"{link.last_error}" for link in broken)
             return ReducerError(grpc.StatusCode.UNAVAILABLE,
-                                f"job {self.job!r} key {operation.key!r} round "
-                                f"{operation.round}: cannot reach daemon(s) "
-                                f"{', '.join(down)} within {self.timeout:g} s")
+                                f"{where}: cannot reach daemon(s) "
+                                f"{', '.join(link.address for link in broken)} within "
+                                f"{self.timeout:g} s: {reasons}")
         return ReducerError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"job {self.job!r} key {operation.key!r} round "
-                            f"{operation.round}: no result within {self.timeout:g} s "
-                            f"(rank {self.rank} of {self.world_size})")
+                            f"{where}: no result within {self.timeout:g} s")

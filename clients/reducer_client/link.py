@@ -51,7 +51,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-_RETRY_DELAYS_S = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
+# Backoff between stream attempts: 0, 50 ms, 100 ms, ... up to 1 s. Retries go
+# on while chunks wait; each operation's deadline (the client's timeout) bounds them.
+_FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
 
 
 def status_code_from_value(value: int) -> grpc.StatusCode:
@@ -70,8 +72,8 @@ class DaemonLink:
                          else grpc.insecure_channel(address, options))
         self._stub = pb_grpc.ReducerStub(self._channel)
         self._metadata = (*metadata, ("reducer-errors", "inband"))
-        self._connectivity = grpc.ChannelConnectivity.IDLE
-        self._channel.subscribe(self._on_connectivity, try_to_connect=True)
+        # Why the last stream failed, or None once a reply came back since.
+        self.last_error: ReducerError | None = None
         # _lock guards _pending, _completed, _outbox, _retries and _closed; taken
         # by callers of send() and by the reader thread. Handlers run outside it.
         self._lock = threading.Lock()
@@ -83,13 +85,6 @@ class DaemonLink:
         self._streams_opened = 0
         self.reconnects = 0
         self._closed = False
-
-    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
-        self._connectivity = state
-
-    @property
-    def connectivity(self) -> grpc.ChannelConnectivity:
-        return self._connectivity
 
     def send(self, shards: Sequence[pb.Shard], handlers: Sequence[ReplyHandler]) -> None:
         """Queue shards for the daemon; each handler gets its shard's reply."""
@@ -117,7 +112,6 @@ class DaemonLink:
             outbox, self._outbox = self._outbox, None
         if outbox is not None:
             outbox.put(_CLOSE)
-        self._channel.unsubscribe(self._on_connectivity)
         self._channel.close()
 
     def _open_stream(self) -> None:
@@ -128,8 +122,9 @@ class DaemonLink:
         before every rank had its result, so that round goes out again first.
         """
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        call = self._stub.Reduce(iter(outbox.get, _CLOSE), metadata=self._metadata,
-                                 wait_for_ready=True)
+        # No wait_for_ready: a daemon that is down or refuses the handshake fails
+        # the call at once with gRPC's reason, which we retry and report.
+        call = self._stub.Reduce(iter(outbox.get, _CLOSE), metadata=self._metadata)
         self._outbox = outbox
         if self._streams_opened:
             self.reconnects += 1
@@ -148,6 +143,7 @@ class DaemonLink:
                     if entry is not None and not reply.error_code:
                         self._completed[(reply.key, reply.offset)] = entry[1]
                         self._retries = 0
+                        self.last_error = None
                 if entry is None:
                     continue  # a late reply to an operation that gave up, or a repeat
                 if reply.error_code:
@@ -175,13 +171,16 @@ class DaemonLink:
                 outbox.put(_CLOSE)
             if not self._pending:
                 return
+            if error is not None:
+                self.last_error = error
             attempt = self._retries
             self._retries += 1
-            retry = (retryable and not self._closed and attempt < len(_RETRY_DELAYS_S))
+            retry = retryable and not self._closed
             if not retry:
                 failed, self._pending = self._pending, {}
         if retry:
-            time.sleep(_RETRY_DELAYS_S[attempt])
+            if attempt:
+                time.sleep(min(_MAX_RETRY_DELAY_S, _FIRST_RETRY_DELAY_S * 2 ** (attempt - 1)))
             self._resend(error)
             return
         error = error or ReducerError(grpc.StatusCode.UNAVAILABLE,
@@ -197,9 +196,10 @@ class DaemonLink:
             if self._outbox is None:
                 self._open_stream()
             assert self._outbox is not None
-            log.warning("daemon %s: stream broke (%s); resending %d open and %d "
-                        "completed chunk(s)", self.address,
-                        cause.code.name if cause else "ended early", len(self._pending),
-                        len(self._completed))
+            if self._retries <= 1:  # once per outage, not per attempt
+                log.warning("daemon %s: stream broke (%s); resending %d open and %d "
+                            "completed chunk(s)", self.address,
+                            cause.code.name if cause else "ended early",
+                            len(self._pending), len(self._completed))
             for _, shard in self._pending.values():
                 self._outbox.put(shard)

@@ -1,0 +1,119 @@
+"""Access control with real daemons: TLS, mutual TLS and tokens.
+
+Certificates are made by the test with the cryptography package: a CA, a
+server certificate for 127.0.0.1, a client certificate signed by the CA and
+one signed by a stranger CA.
+"""
+
+import datetime
+import ipaddress
+
+import grpc
+import numpy as np
+import pytest
+from reducer_client import ReducerClient, ReducerError
+from reducer_client.tls import TLSConfig
+from support import start_daemon
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+
+def _name(common_name):
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _certificate(subject, key, issuer, issuer_key, is_ca=False, ip=None):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject))
+               .issuer_name(_name(issuer)).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(hours=1))
+               .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None),
+                              critical=True))
+    if ip:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+            critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path, key=None, cert=None):
+    if key is not None:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    else:
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    files = {}
+    for ca in ("ca", "stranger"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _certificate(ca, key, ca, key, is_ca=True)
+        files[ca] = (key, cert, _write(d / f"{ca}.pem", cert=cert))
+    for name, issuer, ip in (("server", "ca", "127.0.0.1"), ("client", "ca", None),
+                             ("impostor", "stranger", None)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        issuer_key, issuer_cert, _ = files[issuer]
+        cert = _certificate(name, key, issuer, issuer_key, ip=ip)
+        files[name] = (_write(d / f"{name}.key", key=key), _write(d / f"{name}.pem", cert=cert))
+    return {k: v[2] if k in ("ca", "stranger") else v for k, v in files.items()}
+
+
+def _allreduce(address, **options):
+    with ReducerClient([address], job="tls", rank=0, world_size=1, timeout=3,
+                       **options) as client:
+        return client.allreduce(np.arange(4, dtype=np.float32), key="k").tolist()
+
+
+def test_tls_serves_clients_that_trust_the_ca(tmp_path, pki):
+    key, cert = pki["server"]
+    d = start_daemon("--tls-cert", cert, "--tls-key", key, log_dir=tmp_path)
+    try:
+        assert _allreduce(d.address, tls=TLSConfig(ca_file=pki["ca"])) == [0, 1, 2, 3]
+        with pytest.raises(ReducerError) as info:  # a plaintext client is refused
+            _allreduce(d.address)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(ReducerError) as info:  # and so is one that distrusts the CA
+            _allreduce(d.address, tls=TLSConfig(ca_file=pki["stranger"]))
+        assert "certificate" in str(info.value).lower() or "ssl" in str(info.value).lower()
+    finally:
+        d.stop()
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_from_the_ca(tmp_path, pki):
+    key, cert = pki["server"]
+    d = start_daemon("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                     log_dir=tmp_path)
+    try:
+        client_key, client_cert = pki["client"]
+        good = TLSConfig(ca_file=pki["ca"], cert_file=client_cert, key_file=client_key)
+        assert _allreduce(d.address, tls=good) == [0, 1, 2, 3]
+        impostor_key, impostor_cert = pki["impostor"]
+        for tls in (TLSConfig(ca_file=pki["ca"]),
+                    TLSConfig(ca_file=pki["ca"], cert_file=impostor_cert,
+                              key_file=impostor_key)):
+            with pytest.raises(ReducerError) as info:
+                _allreduce(d.address, tls=tls)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert d.address in str(info.value)
+    finally:
+        d.stop()
+
+
+def test_tls_settings_from_env(pki):
+    from reducer_client.env import settings_from_env
+
+    key, cert = pki["client"]
+    settings = settings_from_env({"REDUCER_ADDRESSES": "h:1", "REDUCER_RANK": "0",
+                                  "REDUCER_WORLD_SIZE": "1", "REDUCER_TLS_CA": pki["ca"],
+                                  "REDUCER_TLS_CERT": cert, "REDUCER_TLS_KEY": key})
+    assert settings["tls"] == TLSConfig(ca_file=pki["ca"], cert_file=cert, key_file=key)
