@@ -13,7 +13,9 @@ from reducerd.config import ConfigError, add_arguments, config_from_args
 __all__ = ["main"]
 
 USAGE = """reducerd --listen HOST:PORT [options]      run the daemon
-       reducerd status --address HOST:PORT        jobs, open rounds, throughput"""
+       reducerd --config FILE.toml --print-config  show the effective configuration
+       reducerd status --address HOST:PORT        jobs, open rounds, throughput
+       reducerd top --address HOST:PORT           the same, refreshed live"""
 
 
 def _daemon_parser() -> argparse.ArgumentParser:
@@ -32,15 +34,20 @@ def _run_daemon(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"reducerd: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        sys.stdout.write(config.to_toml())
+        return 0
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from reducerd.notify import Notifier
     from reducerd.server import Daemon  # grpc import only when serving
 
     logging.getLogger("reducerd").info(
         "reducerd %s starting (round timeout %g s, max inflight %d bytes)", __version__,
         config.round_timeout_s, config.max_inflight_bytes)
     try:
-        asyncio.run(Daemon(config).serve())
+        # The service manager's protocol lives in the environment; read it here, once.
+        asyncio.run(Daemon(config, notifier=Notifier.from_environ()).serve())
     except RuntimeError as exc:  # e.g. the port is taken
         logging.getLogger("reducerd").error("cannot serve: %s", exc)
         return 1
@@ -53,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from reducerd.status import main as status_main
 
         return status_main(argv[1:])
+    if argv and argv[0] == "top":
+        from reducerd.status import top_main
+
+        return top_main(argv[1:])
     if argv and argv[0] == "bench":
         from reducerd.bench import main as bench_main
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,33 @@ class Config:
     # How long SIGTERM waits for open rounds before failing them.
     drain_grace_s: float = 30.0
     log_level: str = "info"
+    # Added to the listen and metrics ports: reducerd@N.service runs with --port-offset N.
+    port_offset: int = 0
+    # Name of a systemd credential (LoadCredential=NAME:...) holding the token.
+    auth_token_credential: str | None = None
+    # Jobs with their own metrics label; later jobs are counted as reducer_job="other".
+    metrics_max_jobs: int = 20
+    # GetStatus lists open chunks older than this as stalled.
+    stalled_after_s: float = 5.0
+    # Not an option: $CREDENTIALS_DIRECTORY, set by systemd when the unit loads credentials.
+    credentials_directory: str | None = None
+
+    @property
+    def listen_address(self) -> str:
+        """The gRPC address to bind: `listen` with `port_offset` added to its port."""
+        return _offset(self.listen, self.port_offset)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """The metrics address to bind, `port_offset` added (None: no metrics)."""
+        return _offset(self.metrics_listen, self.port_offset) if self.metrics_listen else None
+
+    @property
+    def token_path(self) -> str | None:
+        """The token file: auth_token_file, or the credential in $CREDENTIALS_DIRECTORY."""
+        if self.auth_token_credential and self.credentials_directory:
+            return str(Path(self.credentials_directory) / self.auth_token_credential)
+        return self.auth_token_file
 
     def validate(self) -> Config:
         if not self.listen:
@@ -46,7 +76,8 @@ class Config:
         parse_host_port(self.listen, "listen")
         if self.metrics_listen:
             parse_host_port(self.metrics_listen, "metrics_listen")
-        for name in ("round_timeout_s", "drain_grace_s"):
+        self._validate_port_offset()
+        for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_inflight_bytes", "max_message_bytes"):
@@ -56,6 +87,9 @@ class Config:
             raise ConfigError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca: needs tls_cert and tls_key")
+        if self.metrics_max_jobs < 0:
+            raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
+        self._validate_credential()
         for name in ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
@@ -65,13 +99,74 @@ class Config:
                               f"got {self.log_level!r}")
         return self
 
+    def _validate_port_offset(self) -> None:
+        if self.port_offset == 0:
+            return
+        if not 0 < self.port_offset < 65536:
+            raise ConfigError(f"port_offset: must be between 0 and 65535, got {self.port_offset}")
+        for name in ("listen", "metrics_listen"):
+            address = getattr(self, name)
+            if not address:
+                continue
+            port = parse_host_port(address, name)[1]
+            if port == 0:
+                raise ConfigError(f"port_offset: needs a fixed {name} port, not 0")
+            if port + self.port_offset > 65535:
+                raise ConfigError(f"port_offset: {name} port {port} + {self.port_offset} "
+                                  "passes 65535")
+
+    def _validate_credential(self) -> None:
+        name = self.auth_token_credential
+        if not name:
+            return
+        if self.auth_token_file:
+            raise ConfigError("auth_token_credential and auth_token_file: give one, not both")
+        if "/" in name or name in (".", ".."):
+            raise ConfigError(f"auth_token_credential: a credential name, not a path: {name!r}")
+        if not self.credentials_directory:
+            raise ConfigError("auth_token_credential: $CREDENTIALS_DIRECTORY is not set (load "
+                              f"it with LoadCredential={name}:FILE in the unit, or use "
+                              "auth_token_file)")
+        if not Path(self.credentials_directory, name).is_file():
+            raise ConfigError(f"auth_token_credential: no credential {name!r} in "
+                              f"{self.credentials_directory!r}")
+
     def auth_token(self) -> str | None:
-        if not self.auth_token_file:
+        path = self.token_path
+        if not path:
             return None
-        token = Path(self.auth_token_file).read_text().strip()
+        token = Path(path).read_text().strip()
         if not token:
-            raise ConfigError(f"auth_token_file: {self.auth_token_file!r} is empty")
+            option = "auth_token_credential" if self.auth_token_credential else "auth_token_file"
+            raise ConfigError(f"{option}: {path!r} is empty")
         return token
+
+    def to_toml(self) -> str:
+        """The options as a TOML document that `--config` reads back to this Config."""
+        lines = ["# reducerd effective configuration: defaults < --config file < flags"]
+        if self.port_offset:
+            lines.append(f"# port_offset {self.port_offset}: serving on {self.listen_address}"
+                         + (f", metrics on {self.metrics_address}" if self.metrics_listen
+                            else ""))
+        if self.credentials_directory and self.auth_token_credential:
+            lines.append(f"# token read from {self.token_path}")
+        for flag, name in _FLAGS.items():
+            key, value = flag[2:].replace("-", "_"), getattr(self, name)
+            lines.append(f"# {key}: unset" if value is None else
+                         f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _offset(address: str, offset: int) -> str:
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + offset}" if offset else address
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"no TOML form for {value!r}")
+    # A JSON string is a valid TOML basic string; repr(float) always has '.', 'e' or 'inf'.
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 def parse_host_port(address: str, option: str) -> tuple[str, int]:
@@ -94,6 +189,10 @@ _FLAGS = {
     "--max-message-bytes": "max_message_bytes",
     "--drain-grace": "drain_grace_s",
     "--log-level": "log_level",
+    "--port-offset": "port_offset",
+    "--auth-token-credential": "auth_token_credential",
+    "--metrics-max-jobs": "metrics_max_jobs",
+    "--stalled-after": "stalled_after_s",
 }
 # TOML keys are the flag names without dashes ("round-timeout" or "round_timeout").
 _TOML_KEYS = {flag[2:].replace("-", "_"): name for flag, name in _FLAGS.items()}
@@ -107,6 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=name, type=conv, default=None,
                             metavar=name.upper().removesuffix("_S"))
     parser.add_argument("--config", metavar="FILE.toml", help="TOML configuration file")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective configuration as TOML and exit")
 
 
 def _from_toml(path: str) -> dict[str, Any]:
@@ -136,9 +237,17 @@ def _from_toml(path: str) -> dict[str, Any]:
     return values
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Build and validate the Config from parsed arguments (and their --config)."""
-    values = _from_toml(args.config) if getattr(args, "config", None) else {}
+def config_from_args(args: argparse.Namespace,
+                     environ: Mapping[str, str] | None = None) -> Config:
+    """Build and validate the Config from parsed arguments (and their --config).
+
+    The environment is read here and nowhere else: only $CREDENTIALS_DIRECTORY,
+    which systemd sets for units with LoadCredential=.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = (_from_toml(args.config) if getattr(args, "config", None)
+                              else {})
+    values["credentials_directory"] = environ.get("CREDENTIALS_DIRECTORY") or None
     for name in _FLAGS.values():
         flag_value = getattr(args, name, None)
         if flag_value is not None:

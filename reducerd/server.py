@@ -13,6 +13,7 @@ import hmac
 import logging
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,8 +23,12 @@ from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
 from reducerd import __version__
 from reducerd.config import Config
+from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
 from reducerd.service import ReducerService
+
+if TYPE_CHECKING:
+    from reducerd.metrics import Metrics
 
 __all__ = ["Daemon"]
 
@@ -60,10 +65,13 @@ def _deny(method: str):
 class Daemon:
     """One reducer daemon built from a validated Config."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes)
-        self.service = ReducerService(self.table)
+        self.service = ReducerService(self.table, stalled_after_s=config.stalled_after_s)
+        # systemd's notify socket; a no-op outside a Type=notify unit.
+        self.notifier = notifier or Notifier()
+        self.metrics: Metrics | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else None
         self.port: int | None = None
         self._stop = asyncio.Event()
@@ -72,6 +80,8 @@ class Daemon:
     async def start(self) -> int:
         """Bind and start serving; return the bound port."""
         cfg = self.config
+        if cfg.metrics_address:
+            self._start_metrics(cfg.metrics_address)
         interceptors = []
         token = cfg.auth_token()
         if token:
@@ -92,17 +102,26 @@ class Daemon:
                 [(_read(cfg.tls_key), _read(cfg.tls_cert))],
                 root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
                 require_client_auth=bool(cfg.tls_client_ca))
-            self.port = server.add_secure_port(cfg.listen, credentials)
+            self.port = server.add_secure_port(cfg.listen_address, credentials)
         else:
-            self.port = server.add_insecure_port(cfg.listen)
+            self.port = server.add_insecure_port(cfg.listen_address)
         await server.start()
         self._server = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        host = cfg.listen.rpartition(":")[0]
+        host = cfg.listen_address.rpartition(":")[0]
         log.info("listening on %s:%d%s%s", host, self.port, " (TLS)" if cfg.tls_cert else "",
                  " (token required)" if token else "")
         return self.port
+
+    def _start_metrics(self, address: str) -> None:
+        from reducerd.metrics import Metrics  # prometheus-client only when asked for
+
+        cfg = self.config
+        self.metrics = Metrics(self.table, self.service, max_jobs=cfg.metrics_max_jobs,
+                               stalled_after_s=cfg.stalled_after_s)
+        self.service.observer = self.metrics
+        self.metrics.start_http(address, asyncio.get_running_loop())
 
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
         """Start, serve until stop() (or a signal), then drain and stop."""
@@ -115,10 +134,14 @@ class Daemon:
                 pass
         if on_ready is not None and self.port is not None:
             on_ready(self.port)
+        # Only now: the port answers and health says SERVING.
+        self.notifier.ready(f"serving on port {self.port}")
         expiry = asyncio.create_task(self._expire_loop())
+        watchdog = asyncio.create_task(self.notifier.watchdog_loop())
         await self._stop.wait()
         await self._drain()
         expiry.cancel()
+        watchdog.cancel()
 
     def stop(self) -> None:
         """Ask the daemon to drain and stop (safe from a signal handler)."""
@@ -132,6 +155,7 @@ class Daemon:
 
     async def _drain(self) -> None:
         grace_s = self.config.drain_grace_s
+        self.notifier.stopping(f"draining {self.table.open_chunk_count} open chunk(s)")
         log.info("draining: %d open chunk(s), up to %g s", self.table.open_chunk_count,
                  grace_s)
         assert self._server is not None and self.health is not None
@@ -149,6 +173,8 @@ class Daemon:
                                                      "daemon shut down before the round completed"))
         await asyncio.sleep(0.05)  # let the outboxes flush
         await self._server.stop(grace=1.0)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop_http)
         log.info("stopped")
 
 

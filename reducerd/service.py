@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from reducer_client import wire
@@ -28,6 +28,14 @@ MAX_OFFSET = 1 << 63
 INBAND_METADATA = ("reducer-errors", "inband")
 STALLED_AFTER_S = 5.0
 _END = object()
+
+
+class Observer(Protocol):
+    """Sees every valid shard and every delivery (reducerd.metrics.Metrics); loop thread."""
+
+    def shard_in(self, job: str, dtype: int, nbytes: int) -> None: ...
+
+    def delivered(self, d: Delivery) -> None: ...
 
 
 class _Stream:
@@ -91,8 +99,11 @@ def check_shard(shard: pb.Shard) -> str:
 class ReducerService(pb_grpc.ReducerServicer):
     """Reduce and GetStatus over one ReductionTable."""
 
-    def __init__(self, table: ReductionTable) -> None:
+    def __init__(self, table: ReductionTable, stalled_after_s: float = STALLED_AFTER_S,
+                 observer: Observer | None = None) -> None:
         self.table = table
+        self.stalled_after_s = stalled_after_s
+        self.observer = observer
         self.streams: set[_Stream] = set()
         self.draining = False
         self.started_s = time.monotonic()
@@ -129,6 +140,8 @@ class ReducerService(pb_grpc.ReducerServicer):
                                               f"{shard.rank}): {problem}"))
                     return
                 self._note_job(shard)
+                if self.observer is not None:
+                    self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
                 cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
                 part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
                                     shard.data)
@@ -149,6 +162,8 @@ class ReducerService(pb_grpc.ReducerServicer):
     def deliver(self, deliveries: list[Delivery]) -> None:
         """Put each delivery's reply into its streams' outboxes."""
         for d in deliveries:
+            if self.observer is not None:
+                self.observer.delivered(d)
             reply = pb.Shard(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
                              offset=d.chunk.offset, dtype=d.dtype, op=d.op,
                              world_size=d.world_size, data=d.data)
@@ -172,7 +187,7 @@ class ReducerService(pb_grpc.ReducerServicer):
             version=__version__, uptime_s=now - self.started_s,
             bytes_held=self.table.bytes_held,
             max_inflight_bytes=self.table.max_inflight_bytes,
-            open_streams=len(self.streams), stalled_after_s=STALLED_AFTER_S,
+            open_streams=len(self.streams), stalled_after_s=self.stalled_after_s,
             round_timeout_s=self.table.round_timeout_s)
         for name, stats in sorted(self.table.jobs.items()):
             if request.job and name != request.job:
@@ -186,7 +201,7 @@ class ReducerService(pb_grpc.ReducerServicer):
                            bytes_out_per_s=rate_out, world_sizes=sorted(stats.world_sizes),
                            first_seen_unix_s=stats.first_seen_s)
         for cid, world_size, missing, age_s in self.table.open_chunks():
-            if age_s < STALLED_AFTER_S or len(reply.stalled) >= 100:
+            if age_s < self.stalled_after_s or len(reply.stalled) >= 100:
                 break
             if request.job and cid.job != request.job:
                 continue
