@@ -194,6 +194,23 @@ _FLAGS = {
     "--metrics-max-jobs": "metrics_max_jobs",
     "--stalled-after": "stalled_after_s",
 }
+_HELP = {
+    "listen": "gRPC address to serve (required)",
+    "metrics_listen": "serve Prometheus metrics over HTTP here (port 0: any free one)",
+    "auth_token_file": "file holding the bearer token every call must carry",
+    "tls_cert": "server certificate (PEM), with --tls-key",
+    "tls_key": "server private key (PEM)",
+    "tls_client_ca": "require client certificates signed by this CA (mutual TLS)",
+    "round_timeout_s": "seconds a chunk waits for its last contribution (default 60)",
+    "max_inflight_bytes": "bytes held for open chunks at most (default 2 GiB)",
+    "max_message_bytes": "largest gRPC message accepted or sent (default 64 MiB)",
+    "drain_grace_s": "seconds SIGTERM waits for open rounds (default 30)",
+    "log_level": "debug, info, warning or error (default info)",
+    "port_offset": "add N to the listen and metrics ports (reducerd@N.service)",
+    "auth_token_credential": "read the token from $CREDENTIALS_DIRECTORY/NAME (systemd)",
+    "metrics_max_jobs": "jobs with their own metrics label, the rest are 'other' (default 20)",
+    "stalled_after_s": "status lists open chunks older than this as stalled (default 5)",
+}
 # TOML keys are the flag names without dashes ("round-timeout" or "round_timeout").
 _TOML_KEYS = {flag[2:].replace("-", "_"): name for flag, name in _FLAGS.items()}
 
@@ -204,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = types[name]
         conv = float if "float" in str(kind) else int if kind in ("int", int) else str
         parser.add_argument(flag, dest=name, type=conv, default=None,
-                            metavar=name.upper().removesuffix("_S"))
+                            metavar=name.upper().removesuffix("_S"), help=_HELP.get(name))
     parser.add_argument("--config", metavar="FILE.toml", help="TOML configuration file")
     parser.add_argument("--print-config", action="store_true",
                         help="print the effective configuration as TOML and exit")

@@ -55,9 +55,9 @@ OTHER_JOB = "other"
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SNAPSHOT_TIMEOUT_S = 5.0
-# Failed chunk ids remembered so that a late rank's repeat of a failure is not
-# counted as a second failed chunk.
-_SEEN_FAILURES_MAX = 65536
+# Chunk ids answered lately, so that a repeat is not counted as a second chunk.
+# Repeats come within a round or two; 8192 ids take about 3 MB.
+_ANSWERED_MAX = 8192
 
 
 class _Service(Protocol):
@@ -145,7 +145,7 @@ class Metrics:
         self._bytes_out: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._failed: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._latency: defaultdict[str, _Histogram] = defaultdict(_Histogram)
-        self._seen_failures: OrderedDict[Any, None] = OrderedDict()
+        self._answered: OrderedDict[Any, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._httpd: Any = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -160,19 +160,24 @@ class Metrics:
         self._bytes_in[self.job_label(job), DTYPE_NAMES.get(dtype, "unknown")] += nbytes
 
     def delivered(self, d: Delivery) -> None:
-        """Count one completed or failed chunk as the servicer delivers it."""
+        """Count one completed or failed chunk as the servicer delivers it.
+
+        A chunk id answered before is a repeat (a resent contribution gets the
+        cached result or the same failure): its bytes count, the chunk does not.
+        """
         label = self.job_label(d.chunk.job)
         if not d.error_code:
             self._bytes_out[label, DTYPE_NAMES.get(d.dtype, "unknown")] += (
                 len(d.data) * len(d.sinks))
-            self._latency[label].observe(d.latency_s)
+        if d.chunk in self._answered:
             return
-        if d.chunk in self._seen_failures:
-            return  # a late rank told about a failure already counted
-        self._seen_failures[d.chunk] = None
-        if len(self._seen_failures) > _SEEN_FAILURES_MAX:
-            self._seen_failures.popitem(last=False)
-        self._failed[label, d.error_code.lower()] += 1
+        self._answered[d.chunk] = None
+        if len(self._answered) > _ANSWERED_MAX:
+            self._answered.popitem(last=False)
+        if d.error_code:
+            self._failed[label, d.error_code.lower()] += 1
+        else:
+            self._latency[label].observe(d.latency_s)
 
     def _snapshot(self) -> _Snapshot:
         completed: defaultdict[str, int] = defaultdict(int)

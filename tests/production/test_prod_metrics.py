@@ -58,13 +58,14 @@ def test_collector_on_a_bare_table():
     contribute(table, metrics, "a", 0, 2, key="bad")
     contribute(table, metrics, "a", 1, 2, key="bad", numel=9)  # length mismatch
     contribute(table, metrics, "a", 0, 2, key="bad")  # a retry: told again, counted once
+    contribute(table, metrics, "a", 1, 2)  # a resend after reconnecting: the cached result
     clock.now += 2.0
     samples = scrape_registry(metrics)
 
     assert value(samples, "reducerd_bytes_in_total", reducer_job="a", dtype="float16") == (
-        2 * 16 + 16 + 18 + 16)
+        2 * 16 + 16 + 18 + 16 + 16)
     assert value(samples, "reducerd_bytes_in_total", reducer_job="b", dtype="float32") == 16
-    assert value(samples, "reducerd_bytes_out_total", reducer_job="a", dtype="float16") == 32
+    assert value(samples, "reducerd_bytes_out_total", reducer_job="a", dtype="float16") == 48
     assert value(samples, "reducerd_chunks_completed_total", reducer_job="a") == 1
     assert value(samples, "reducerd_chunks_failed_total", reducer_job="a",
                  reason="invalid_argument") == 1
