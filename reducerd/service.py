@@ -149,8 +149,10 @@ class ReducerService(pb_grpc.ReducerServicer):
                 self.deliver(self.table.contribute(cid, part, stream))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a broken stream; the handler ends with it
-            log.debug("stream from %s ended: %r", stream.peer, exc)
+        except Exception as exc:  # e.g. bytes that are no Shard: end the call with why
+            log.debug("stream from %s broke: %r", stream.peer, exc)
+            stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"cannot read the stream: {exc}"))
             return
         stream.half_closed = True
         stream.maybe_finish()
