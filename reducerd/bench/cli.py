@@ -1,0 +1,132 @@
+"""Command line of `reducerd bench`: parse, validate, run, report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from reducerd.bench.config import BASELINE_CHOICES, WIRE_ITEMSIZE, BenchConfig, systems_for
+from reducerd.bench.units import parse_rate, parse_sizes, parse_time
+
+__all__ = ["main", "build_parser", "config_from_argv", "UsageError"]
+
+DEFAULT_SIZES = "1K:256M:4"
+MAX_HOSTS = 250  # one /24 per role inside 198.18.0.0/15
+
+
+class UsageError(ValueError):
+    """An argument is wrong; the message names it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reducerd bench",
+        description="Allreduce float32 gradients over a sweep of sizes with reducerd "
+                    "(D daemons, N worker processes) and, in the same run, with Gloo's "
+                    "ring and MXNet's ps-lite parameter server; print time, algorithm "
+                    "and bus bandwidth (nccl-tests' definitions) and the ratios.")
+    parser.add_argument("--workers", type=int, required=True, metavar="N",
+                        help="worker processes (ranks) for every system")
+    parser.add_argument("--daemons", type=int, required=True, metavar="D",
+                        help="reducerd daemons; also the MXNet servers (S = D)")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="LIST",
+                        help="float32 gradient sizes: 1K,1M,64M or MIN:MAX[:FACTOR] "
+                             f"(K, M, G are powers of 1024; default {DEFAULT_SIZES})")
+    parser.add_argument("--wire-dtype", default="float16", choices=sorted(WIRE_ITEMSIZE),
+                        help="reducerd's wire dtype; MXNet pushes float16 when this is "
+                             "float16, else float32 (default float16)")
+    parser.add_argument("--iters", type=int, default=10, metavar="K",
+                        help="timed iterations per size (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, metavar="K",
+                        help="untimed iterations per size first (default 3)")
+    parser.add_argument("--baselines", default="gloo,mxnet", metavar="LIST",
+                        help=f"comma-separated, from {', '.join(BASELINE_CHOICES)} "
+                             "(default gloo,mxnet; gloo means float32 and float16)")
+    parser.add_argument("--emulate-cluster", metavar="RATE",
+                        help="every host in its own network namespace, each link shaped "
+                             "to RATE both ways (tc syntax, e.g. 200mbit); needs root")
+    parser.add_argument("--emulate-delay", metavar="TIME",
+                        help="with --emulate-cluster: netem delay added on every link, "
+                             "each way (e.g. 100us); needs the sch_netem kernel module")
+    parser.add_argument("--emulate-mtu", type=int, default=9000, metavar="BYTES",
+                        help="with --emulate-cluster: link MTU (default 9000, jumbo frames "
+                             "as in AWS VPCs; 1500 costs more CPU per byte)")
+    parser.add_argument("--workers-per-node", type=int, default=1, metavar="L",
+                        help="workers per node: with --emulate-cluster they share one "
+                             "namespace and link (default 1)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure here")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="bandwidth against size, log-log (needs matplotlib)")
+    parser.add_argument("--mxnet-python", type=Path, metavar="PATH",
+                        help="interpreter with mxnet (default: .venv-mxnet/bin/python "
+                             "at the repository root)")
+    parser.add_argument("--chunk-bytes", type=int, metavar="BYTES",
+                        help="reducerd client chunk size (default: the client's)")
+    parser.add_argument("--stall-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="fail a system when no iteration finishes for this long "
+                             "(default 300)")
+    parser.add_argument("--log-dir", type=Path, metavar="DIR",
+                        help="keep every process's log here (default: a temporary "
+                             "directory, removed after a successful run)")
+    return parser
+
+
+def config_from_argv(argv: list[str]) -> BenchConfig:
+    """Parse and validate; raise UsageError naming the argument (argparse exits on --help)."""
+    args = build_parser().parse_args(argv)
+    try:
+        sizes = parse_sizes(args.sizes)
+        baselines = systems_for([w.strip() for w in args.baselines.split(",") if w.strip()])
+        rate = parse_rate(args.emulate_cluster) if args.emulate_cluster else None
+        delay = parse_time(args.emulate_delay) if args.emulate_delay else 0.0
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.daemons < 1:
+        raise UsageError(f"--daemons must be >= 1, got {args.daemons}")
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    if args.workers_per_node < 1 or args.workers % args.workers_per_node:
+        raise UsageError(f"--workers-per-node {args.workers_per_node} must divide "
+                         f"--workers {args.workers}")
+    if args.emulate_delay and not args.emulate_cluster:
+        raise UsageError("--emulate-delay needs --emulate-cluster")
+    if not 576 <= args.emulate_mtu <= 65000:
+        raise UsageError(f"--emulate-mtu must be in [576, 65000], got {args.emulate_mtu}")
+    if args.emulate_cluster and max(args.workers, args.daemons) > MAX_HOSTS:
+        raise UsageError(f"--emulate-cluster supports at most {MAX_HOSTS} workers and daemons")
+    if args.chunk_bytes is not None and args.chunk_bytes < 4:
+        raise UsageError("--chunk-bytes must be at least 4")
+    if args.stall_timeout <= 0:
+        raise UsageError("--stall-timeout must be > 0")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib "
+                         "(or the project's 'bench' extra)")
+    return BenchConfig(
+        workers=args.workers, daemons=args.daemons, sizes_bytes=tuple(sizes),
+        wire_dtype=args.wire_dtype, iters=args.iters, warmup=args.warmup,
+        baselines=baselines, emulate_cluster=args.emulate_cluster, rate_bytes_per_s=rate,
+        emulate_delay_s=delay, emulate_mtu=args.emulate_mtu,
+        workers_per_node=args.workers_per_node,
+        json_path=args.json, plot_path=args.plot, mxnet_python=args.mxnet_python,
+        stall_timeout_s=args.stall_timeout, chunk_bytes=args.chunk_bytes,
+        log_dir=args.log_dir)
+
+
+def main(argv: list[str]) -> int:
+    """`reducerd bench ...`: 0 when every system ran, 1 when one failed, 2 on usage errors."""
+    try:
+        config = config_from_argv(argv)
+    except UsageError as exc:
+        print(f"reducerd bench: error: {exc}", file=sys.stderr)
+        return 2
+    from reducerd.bench.runner import BenchError, run_bench
+
+    try:
+        return run_bench(config)
+    except BenchError as exc:
+        print(f"reducerd bench: {exc}", file=sys.stderr)
+        return 1

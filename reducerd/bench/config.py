@@ -1,0 +1,78 @@
+"""The benchmark's one typed configuration and the systems it can run."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BenchConfig", "SYSTEMS", "BASELINE_CHOICES", "WIRE_ITEMSIZE", "systems_for"]
+
+# Every system the bench knows, in the order it runs them (and prints them).
+SYSTEMS = ("reducerd", "gloo-float32", "gloo-float16", "mxnet-ps")
+# --baselines words -> systems.
+BASELINE_CHOICES = {
+    "gloo": ("gloo-float32", "gloo-float16"),
+    "gloo-float32": ("gloo-float32",),
+    "gloo-float16": ("gloo-float16",),
+    "mxnet": ("mxnet-ps",),
+    "mxnet-ps": ("mxnet-ps",),
+    "none": (),
+}
+WIRE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `reducerd bench` runs: validated once by the command line."""
+
+    workers: int
+    daemons: int
+    sizes_bytes: tuple[int, ...]
+    wire_dtype: str = "float16"
+    iters: int = 10
+    warmup: int = 3
+    baselines: tuple[str, ...] = ("gloo-float32", "gloo-float16", "mxnet-ps")
+    emulate_cluster: str | None = None  # tc rate, e.g. "200mbit"
+    rate_bytes_per_s: float | None = None
+    emulate_delay_s: float = 0.0
+    emulate_mtu: int = 9000
+    workers_per_node: int = 1
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    mxnet_python: Path | None = None
+    # A run fails when no iteration finishes for this long (not a timing limit).
+    stall_timeout_s: float = 300.0
+    chunk_bytes: int | None = None
+    log_dir: Path | None = None
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        return ("reducerd", *self.baselines)
+
+    @property
+    def nodes(self) -> int:
+        return self.workers // self.workers_per_node
+
+    @property
+    def busbw_factor(self) -> float:
+        """nccl-tests' allreduce factor 2(N-1)/N, used for every system alike."""
+        return 2 * (self.workers - 1) / self.workers
+
+    @property
+    def mxnet_dtype(self) -> str:
+        """ps-lite pushes the wire precision we compare at (it has no bfloat16)."""
+        return "float16" if self.wire_dtype == "float16" else "float32"
+
+    def replace(self, **changes) -> BenchConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def systems_for(words: list[str]) -> tuple[str, ...]:
+    """--baselines words -> baseline systems in run order, without repeats."""
+    chosen: set[str] = set()
+    for word in words:
+        if word not in BASELINE_CHOICES:
+            raise ValueError(f"baseline {word!r}: one of {', '.join(BASELINE_CHOICES)}")
+        chosen.update(BASELINE_CHOICES[word])
+    return tuple(s for s in SYSTEMS if s in chosen)

@@ -1,0 +1,151 @@
+"""Start one system's processes where the placement says: daemons or servers, then workers.
+
+Every system gets the same N worker processes on the same hosts (ranks
+placed node by node); reducerd's D daemons and MXNet's S = D servers run on
+the daemon hosts, MXNet's scheduler beside server 0.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from reducerd.bench.config import BenchConfig
+from reducerd.bench.netns import Cluster, Host, loopback_host
+from reducerd.bench.procs import Proc, ProcessSet, wait_for_log
+
+__all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
+
+# Inside our own namespaces every port is free; on loopback we ask the kernel.
+_NETNS_PORTS = {"reducerd": 50051, "gloo-float32": 29501, "gloo-float16": 29502,
+                "mxnet-ps": 9091}
+_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Host of every rank (node by node) and of every daemon."""
+
+    workers: list[Host]
+    daemons: list[Host]
+    workers_per_node: int
+
+    @property
+    def emulated(self) -> bool:
+        return self.daemons[0].netns is not None
+
+
+def make_placement(config: BenchConfig, cluster: Cluster | None) -> Placement:
+    per_node = config.workers_per_node
+    if cluster is not None:
+        nodes, daemons = cluster.nodes, cluster.daemons
+    else:
+        nodes = [loopback_host(f"n{k}") for k in range(config.nodes)]
+        daemons = [loopback_host(f"d{i}") for i in range(config.daemons)]
+    workers = [nodes[rank // per_node] for rank in range(config.workers)]
+    return Placement(workers, list(daemons), per_node)
+
+
+def default_mxnet_python() -> Path:
+    """.venv-mxnet/bin/python at the repository root (beside the reducerd package)."""
+    return Path(__file__).resolve().parents[2] / ".venv-mxnet" / "bin" / "python"
+
+
+def _port(system: str, host: Host) -> int:
+    if host.netns is not None:
+        return _NETNS_PORTS[system]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extra) -> str:
+    return json.dumps({
+        "system": system, "rank": rank, "world_size": config.workers,
+        "sizes_bytes": list(config.sizes_bytes), "iters": config.iters,
+        "warmup": config.warmup, "wire_dtype": config.wire_dtype,
+        "mxnet_dtype": config.mxnet_dtype, "stall_timeout_s": config.stall_timeout_s,
+        "chunk_bytes": config.chunk_bytes, "iface": host.iface, **extra})
+
+
+def _start_workers(system: str, python: str, config: BenchConfig, placement: Placement,
+                   procs: ProcessSet, env_of, **extra) -> list[Proc]:
+    workers = []
+    for rank, host in enumerate(placement.workers):
+        spec = _worker_spec(system, rank, config, host, **extra)
+        argv = host.command([python, "-m", "reducerd.bench.worker", spec])
+        workers.append(procs.start(f"{system}-worker{rank}", argv, env_of(rank, host),
+                                   rank=rank))
+    return workers
+
+
+def _local_env(rank: int, placement: Placement) -> dict[str, str]:
+    per_node = placement.workers_per_node
+    return {"REDUCER_LOCAL_RANK": str(rank % per_node), "REDUCER_LOCAL_SIZE": str(per_node)}
+
+
+def _launch_reducerd(config: BenchConfig, placement: Placement, procs: ProcessSet,
+                     run_id: str) -> tuple[list[Proc], list[Proc]]:
+    daemons, addresses = [], []
+    for i, host in enumerate(placement.daemons):
+        argv = host.command([sys.executable, "-m", "reducerd",
+                             "--listen", f"{host.address}:{_port('reducerd', host)}",
+                             "--round-timeout", str(config.stall_timeout_s),
+                             "--drain-grace", "2"])
+        daemons.append(procs.start(f"reducerd-daemon{i}", argv, {}))
+    for host, daemon in zip(placement.daemons, daemons, strict=True):
+        match = wait_for_log(daemon, r"listening on \S+:(\d+)", _READY_TIMEOUT_S)
+        addresses.append(f"{host.address}:{match.group(1)}")
+    workers = _start_workers(
+        "reducerd", sys.executable, config, placement, procs,
+        lambda rank, host: _local_env(rank, placement), addresses=addresses,
+        job=f"bench-{run_id}")
+    return workers, daemons
+
+
+def _launch_gloo(system: str, config: BenchConfig, placement: Placement,
+                 procs: ProcessSet) -> tuple[list[Proc], list[Proc]]:
+    master = placement.workers[0]
+    return _start_workers(
+        system, sys.executable, config, placement, procs,
+        lambda rank, host: {"GLOO_SOCKET_IFNAME": host.iface or "lo"},
+        master=f"{master.address}:{_port(system, master)}"), []
+
+
+def _launch_mxnet(config: BenchConfig, placement: Placement, procs: ProcessSet,
+                  python: str) -> tuple[list[Proc], list[Proc]]:
+    root = placement.daemons[0]
+    common = {"DMLC_PS_ROOT_URI": root.address,
+              "DMLC_PS_ROOT_PORT": str(_port("mxnet-ps", root)),
+              "DMLC_NUM_SERVER": str(config.daemons), "DMLC_NUM_WORKER": str(config.workers),
+              "PS_VERBOSE": "0"}
+
+    def env(role: str, host: Host) -> dict[str, str]:
+        return {**common, "DMLC_ROLE": role, "DMLC_NODE_HOST": host.address,
+                "DMLC_INTERFACE": host.iface or "lo"}
+
+    # Importing mxnet with DMLC_ROLE=scheduler/server runs that role, then exits.
+    helpers = [procs.start("mxnet-scheduler", root.command([python, "-c", "import mxnet"]),
+                           env("scheduler", root))]
+    for i, host in enumerate(placement.daemons):
+        helpers.append(procs.start(f"mxnet-server{i}",
+                                   host.command([python, "-c", "import mxnet"]),
+                                   env("server", host)))
+    workers = _start_workers("mxnet-ps", python, config, placement, procs,
+                             lambda rank, host: env("worker", host))
+    return workers, helpers
+
+
+def launch(system: str, config: BenchConfig, placement: Placement, procs: ProcessSet,
+           run_id: str, mxnet_python: Path) -> tuple[list[Proc], list[Proc]]:
+    """Start `system`; return (workers, helpers) where helpers must outlive the workers."""
+    if system == "reducerd":
+        return _launch_reducerd(config, placement, procs, run_id)
+    if system.startswith("gloo-"):
+        return _launch_gloo(system, config, placement, procs)
+    if system == "mxnet-ps":
+        return _launch_mxnet(config, placement, procs, str(mxnet_python))
+    raise ValueError(f"unknown system {system!r}")

@@ -1,0 +1,244 @@
+"""Worker side of each system: one allreduce of a flat float32 gradient, three ways.
+
+A `Comm` hides how one system allreduces; `run_sweep` times any of them the
+same way. Frameworks are imported inside the constructors, so this module
+loads in either virtual environment (the MXNet one has no grpc or torch).
+
+Every rank holds the value 1 + rank % 4 in every element, so the sum is a
+small integer, exact in float16 for any worker count the bench allows, and
+each result is checked exactly after the timed iterations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from reducerd.bench.netns import read_counters
+
+__all__ = ["Comm", "make_comm", "run_sweep", "rank_value"]
+
+# How many barriers the byte-count calibration averages over.
+_CALIBRATION_BARRIERS = 7
+
+
+def rank_value(rank: int) -> int:
+    return 1 + rank % 4
+
+
+def _expected(world_size: int) -> int:
+    return sum(rank_value(r) for r in range(world_size))
+
+
+class Comm:
+    """One system's allreduce of `numel` float32 elements on this rank.
+
+    prepare() allocates, refill() restores the input (outside the timed
+    region: Gloo and MXNet reduce in place), run() is the timed allreduce
+    including any dtype casts the system needs, result() returns the float32
+    output to check, barrier() syncs all ranks, close() tears down.
+    """
+
+    def prepare(self, numel: int) -> None: ...
+    def refill(self) -> None: ...
+    def run(self) -> None: ...
+    def result(self) -> np.ndarray: ...
+    def barrier(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class ReducerdComm(Comm):
+    """ReducerClient.allreduce of the float32 array (casts to the wire dtype inside)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from reducer_client import ReducerClient
+
+        # Node-local aggregation (issue 10) reads REDUCER_LOCAL_RANK/SIZE,
+        # which the runner sets for every worker.
+        self.client = ReducerClient(
+            addresses=spec["addresses"], job=spec["job"], rank=spec["rank"],
+            world_size=spec["world_size"], wire_dtype=spec["wire_dtype"],
+            timeout=spec["stall_timeout_s"], chunk_bytes=spec.get("chunk_bytes"))
+        self.rank = spec["rank"]
+        self._token = np.zeros(1, dtype=np.float32)
+
+    def prepare(self, numel: int) -> None:
+        self.key = f"bench/{numel}"
+        self.x = np.full(numel, rank_value(self.rank), dtype=np.float32)
+        self.out = self.x
+
+    def run(self) -> None:
+        self.out = self.client.allreduce(self.x, key=self.key)
+
+    def result(self) -> np.ndarray:
+        return self.out
+
+    def barrier(self) -> None:
+        self.client.allreduce(self._token, key="bench/barrier")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class GlooComm(Comm):
+    """torch.distributed all_reduce over Gloo; float16 as DDP's fp16_compress_hook does it.
+
+    float32: the bucket is reduced in place. float16: cast to float16, reduce,
+    copy back into the float32 bucket; the casts are timed, as in the hook.
+    """
+
+    def __init__(self, spec: dict[str, Any], dtype: str) -> None:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.half = torch, dist, dtype == "float16"
+        self.rank = spec["rank"]
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
+            world_size=spec["world_size"],
+            timeout=datetime.timedelta(seconds=spec["stall_timeout_s"]))
+
+    def prepare(self, numel: int) -> None:
+        self.src = self.torch.full((numel,), float(rank_value(self.rank)),
+                                   dtype=self.torch.float32)
+        self.bucket = self.src.clone()
+
+    def refill(self) -> None:
+        self.bucket.copy_(self.src)
+
+    def run(self) -> None:
+        if self.half:
+            compressed = self.bucket.to(self.torch.float16)
+            self.dist.all_reduce(compressed)
+            self.bucket.copy_(compressed)
+        else:
+            self.dist.all_reduce(self.bucket)
+
+    def result(self) -> np.ndarray:
+        return self.bucket.numpy()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+class MxnetComm(Comm):
+    """MXNet KVStore dist_sync (ps-lite): push then pull, as Gluon's Trainer does.
+
+    On CPU the store sums into the pushed array itself, so refill() restores
+    it before every iteration, outside the timed region. The array is in the
+    pushed dtype; float16 input is cast from float32 outside the timed region
+    (ps-lite has no cast of its own to time).
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import mxnet as mx
+
+        self.mx, self.dtype, self.rank = mx, spec["mxnet_dtype"], spec["rank"]
+        self.kv = mx.kv.create("dist_sync")
+        self._token = mx.nd.zeros((1,), dtype="float32")
+        self.kv.init("bench/barrier", self._token)
+
+    def prepare(self, numel: int) -> None:
+        self.key = f"bench/{numel}"
+        self.kv.init(self.key, self.mx.nd.zeros((numel,), dtype=self.dtype))
+        self.src = np.full(numel, rank_value(self.rank), dtype=self.dtype)
+        self.x = self.mx.nd.array(self.src, dtype=self.dtype)
+
+    def refill(self) -> None:
+        self.x[:] = self.src
+        self.x.wait_to_read()
+
+    def run(self) -> None:
+        self.kv.push(self.key, self.x)
+        self.kv.pull(self.key, out=self.x)
+        self.x.wait_to_read()
+
+    def result(self) -> np.ndarray:
+        return self.x.asnumpy().astype(np.float32)
+
+    def barrier(self) -> None:
+        # kv._barrier() is ps-lite's worker barrier (no data moves).
+        self.kv._barrier()
+
+    def close(self) -> None:
+        self.mx.nd.waitall()
+
+
+def make_comm(spec: dict[str, Any]) -> Comm:
+    system = spec["system"]
+    if system == "reducerd":
+        return ReducerdComm(spec)
+    if system in ("gloo-float32", "gloo-float16"):
+        return GlooComm(spec, system.removeprefix("gloo-"))
+    if system == "mxnet-ps":
+        return MxnetComm(spec)
+    raise ValueError(f"unknown system {system!r}")
+
+
+def _calibrate_barrier_bytes(comm: Comm, iface: str) -> tuple[float, float]:
+    """(received, sent) bytes of one barrier, subtracted from each iteration.
+
+    The median of several single barriers: stray traffic at start-up (a late
+    connection, a framework's own handshake) must not be charged to every
+    iteration.
+    """
+    comm.barrier()
+    samples = []
+    for _ in range(_CALIBRATION_BARRIERS):
+        rx0, tx0 = read_counters(iface)
+        comm.barrier()
+        rx1, tx1 = read_counters(iface)
+        samples.append((rx1 - rx0, tx1 - tx0))
+    return (float(np.median([s[0] for s in samples])),
+            float(np.median([s[1] for s in samples])))
+
+
+def run_sweep(comm: Comm, spec: dict[str, Any], emit: Callable[..., None]) -> None:
+    """Time warm-up + timed iterations of every size; emit one record per size.
+
+    Each iteration starts after a barrier and is timed on this rank alone
+    (the runner takes the slowest rank). With an interface to count, the
+    counters are read before that barrier (no rank can have started yet) and
+    after a second barrier that follows the allreduce (every rank is done);
+    two barriers' bytes are subtracted.
+    """
+    iface = spec.get("iface")
+    barrier_rx, barrier_tx = _calibrate_barrier_bytes(comm, iface) if iface else (0, 0)
+    expected = _expected(spec["world_size"])
+    for size_bytes in spec["sizes_bytes"]:
+        comm.prepare(size_bytes // 4)
+        times_s: list[float] = []
+        received: list[float] = []
+        sent: list[float] = []
+        for it in range(spec["warmup"] + spec["iters"]):
+            comm.refill()
+            if iface:  # before the barrier: a node's other ranks may start right after it
+                rx0, tx0 = read_counters(iface)
+            comm.barrier()
+            start = time.perf_counter()
+            comm.run()
+            elapsed = time.perf_counter() - start
+            if iface:
+                comm.barrier()
+                rx1, tx1 = read_counters(iface)
+            if it >= spec["warmup"]:
+                times_s.append(elapsed)
+                if iface:
+                    received.append(rx1 - rx0 - 2 * barrier_rx)
+                    sent.append(tx1 - tx0 - 2 * barrier_tx)
+            emit("iter", size_bytes=size_bytes, iteration=it)
+        out = comm.result()
+        if out.size != size_bytes // 4 or not np.all(out == expected):
+            bad = np.flatnonzero(out != expected)[:3].tolist()
+            raise AssertionError(f"{spec['system']} {size_bytes} bytes: wrong sum at "
+                                 f"elements {bad} (expected {expected})")
+        emit("size", size_bytes=size_bytes, times_s=times_s,
+             bytes_received=received or None, bytes_sent=sent or None)

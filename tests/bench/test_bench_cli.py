@@ -1,0 +1,129 @@
+"""`reducerd bench` arguments, units and the theory figures: pure, fast, no processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from reducerd.bench.cli import UsageError, config_from_argv, main
+from reducerd.bench.config import BenchConfig
+from reducerd.bench.figures import aggregate, line_rate_bound_s, theory_bytes_per_node
+from reducerd.bench.runner import _available
+from reducerd.bench.units import parse_rate, parse_sizes, parse_time
+
+BASE = ["--workers", "4", "--daemons", "2"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1K,1M,64M", [1024, 1 << 20, 64 << 20]),
+    ("64m,1k,1K", [1024, 64 << 20]),
+    ("1K:8K", [1024, 2048, 4096, 8192]),
+    ("1K:256M:4", [1 << k for k in range(10, 29, 2)]),
+    ("4096", [4096]),
+])
+def test_sizes(text, expected):
+    assert parse_sizes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "1X", "3", "1K:512", "1K:4K:1", "-4K", "1K,,2Q"])
+def test_bad_sizes(text):
+    with pytest.raises(ValueError):
+        parse_sizes(text)
+
+
+@pytest.mark.parametrize("text, bytes_per_s", [
+    ("200mbit", 25e6), ("1gbit", 125e6), ("10mbps", 10e6), ("1000000", 125e3),
+    ("1mibit", (1 << 20) / 8),
+])
+def test_rates_in_tc_syntax(text, bytes_per_s):
+    assert parse_rate(text) == pytest.approx(bytes_per_s)
+
+
+def test_times():
+    assert parse_time("2ms") == pytest.approx(2e-3)
+    assert parse_time("500us") == pytest.approx(5e-4)
+    with pytest.raises(ValueError):
+        parse_time("fast")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "0", "--daemons", "1"], "--workers"),
+    (["--workers", "2", "--daemons", "0"], "--daemons"),
+    (BASE + ["--sizes", "1Q"], "size"),
+    (BASE + ["--sizes", "6"], "multiple of 4"),
+    (BASE + ["--baselines", "horovod"], "baseline 'horovod'"),
+    (BASE + ["--workers-per-node", "3"], "must divide"),
+    (BASE + ["--emulate-cluster", "fast"], "rate 'fast'"),
+    (BASE + ["--emulate-delay", "1ms"], "needs --emulate-cluster"),
+    (BASE + ["--iters", "0"], "--iters"),
+    (BASE + ["--emulate-cluster", "1gbit", "--emulate-mtu", "100"], "--emulate-mtu"),
+])
+def test_argument_errors(argv, message, capsys):
+    with pytest.raises(UsageError, match=message):
+        config_from_argv(argv)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_workers_and_daemons_are_required(capsys):
+    with pytest.raises(SystemExit) as exc:
+        config_from_argv(["--workers", "2"])
+    assert exc.value.code == 2
+    assert "--daemons" in capsys.readouterr().err
+
+
+def test_defaults():
+    config = config_from_argv(BASE)
+    assert config.sizes_bytes[0] == 1024 and config.sizes_bytes[-1] == 256 << 20
+    assert config.systems == ("reducerd", "gloo-float32", "gloo-float16", "mxnet-ps")
+    assert config.wire_dtype == "float16" and config.busbw_factor == pytest.approx(1.5)
+    assert config_from_argv(BASE + ["--baselines", "none"]).systems == ("reducerd",)
+
+
+def test_help_does_not_import_frameworks():
+    code = ("import sys\nfrom reducerd.__main__ import main\n"
+            "try:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = {'torch', 'tensorflow', 'mxnet', 'grpc', 'numpy'} & set(sys.modules)\n"
+            "print('HEAVY', sorted(heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert "--emulate-cluster" in out
+    assert "HEAVY []" in out
+
+
+def test_missing_mxnet_environment_is_skipped_with_a_reason(tmp_path):
+    skipped: dict[str, str] = {}
+    config = config_from_argv(BASE + ["--baselines", "mxnet"])
+    systems = _available(config, tmp_path / "no-such-python", skipped)
+    assert systems == ["reducerd"]
+    assert "no MXNet environment" in skipped["mxnet-ps"]
+
+
+def _config(**changes) -> BenchConfig:
+    return BenchConfig(workers=4, daemons=2, sizes_bytes=(16 << 20,), **changes)
+
+
+def test_theory_bytes():
+    config = _config(emulate_cluster="200mbit", rate_bytes_per_s=25e6)
+    model_fp16 = 8 << 20
+    assert theory_bytes_per_node("reducerd", 16 << 20, config) == model_fp16
+    assert theory_bytes_per_node("gloo-float32", 16 << 20, config) == 1.5 * (16 << 20)
+    assert theory_bytes_per_node("gloo-float16", 16 << 20, config) == 1.5 * model_fp16
+    # D = N/2: each daemon link carries two models, which bounds the time.
+    assert line_rate_bound_s("reducerd", 16 << 20, config) == 2 * model_fp16 / 25e6
+    per_node = _config(workers_per_node=2, emulate_cluster="200mbit", rate_bytes_per_s=25e6)
+    assert theory_bytes_per_node("reducerd", 16 << 20, per_node) == 2 * model_fp16
+    assert theory_bytes_per_node("reducerd", 16 << 20, per_node, node_aggregation=True) \
+        == model_fp16
+
+
+def test_aggregate_takes_the_slowest_rank_per_iteration():
+    config = BenchConfig(workers=2, daemons=1, sizes_bytes=(1024,), iters=3)
+    records = {"reducerd": {0: [{"size_bytes": 1024, "times_s": [1.0, 2.0, 3.0]}],
+                            1: [{"size_bytes": 1024, "times_s": [4.0, 1.0, 1.0]}]}}
+    (result,) = aggregate(config, records)
+    assert result["time_s"] == {"median": 3.0, "min": 2.0, "max": 4.0}
+    assert result["algbw_GBps"] == pytest.approx(1024 / 3.0 / 1e9)
+    assert result["busbw_GBps"] == pytest.approx(result["algbw_GBps"])  # 2(N-1)/N = 1

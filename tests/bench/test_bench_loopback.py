@@ -1,0 +1,62 @@
+"""A tiny `reducerd bench` sweep on loopback: every system's results, the JSON's schema.
+
+Never asserts on timing: only that each figure is there, positive and consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_checks import HAS_MATPLOTLIB, HAS_MXNET_ENV, HAS_TORCH, check_results
+
+SIZES = [4096, 65536]
+
+
+def run_bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reducerd", "bench", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_loopback_sweep_every_system(tmp_path: Path):
+    """2 workers, 2 daemons, two tiny sizes: reducerd, Gloo fp32/fp16 and ps-lite all report."""
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["--workers", "2", "--daemons", "2", "--sizes", "4K,64K", "--iters", "2",
+            "--warmup", "1", "--json", str(out)]
+    if HAS_MATPLOTLIB:
+        args += ["--plot", str(plot)]
+    done = run_bench(*args)
+    assert done.returncode == 0, done.stderr + done.stdout
+    data = json.loads(out.read_text())
+    systems = ["reducerd"]
+    systems += ["gloo-float32", "gloo-float16"] if HAS_TORCH else []
+    systems += ["mxnet-ps"] if HAS_MXNET_ENV else []
+    check_results(data, systems, SIZES)
+    config = data["config"]
+    assert config["workers"] == 2 and config["daemons"] == 2
+    assert config["sizes_bytes"] == SIZES and config["failed"] == {}
+    assert config["emulate_cluster"] is None
+    if not HAS_MXNET_ENV:
+        assert "mxnet-ps skipped" in done.stderr
+    for system in systems:
+        assert system in done.stdout  # the table
+    if HAS_MATPLOTLIB:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failing_system_is_reported_and_the_rest_still_runs(tmp_path: Path):
+    """A broken MXNet interpreter fails mxnet-ps alone: exit 1, reducerd's results kept."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'no mxnet here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    out = tmp_path / "bench.json"
+    done = run_bench("--workers", "2", "--daemons", "1", "--sizes", "4K", "--iters", "1",
+                     "--warmup", "0", "--baselines", "mxnet", "--mxnet-python", str(fake),
+                     "--json", str(out), "--stall-timeout", "30")
+    assert done.returncode == 1, done.stderr
+    assert "mxnet-ps failed" in done.stderr
+    data = json.loads(out.read_text())
+    check_results(data, ["reducerd"], [4096])
+    assert "mxnet-ps" in data["config"]["failed"]
