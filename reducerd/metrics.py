@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,9 +55,6 @@ OTHER_JOB = "other"
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SNAPSHOT_TIMEOUT_S = 5.0
-# Chunk ids answered lately, so that a repeat is not counted as a second chunk.
-# Repeats come within a round or two; 8192 ids take about 3 MB.
-_ANSWERED_MAX = 8192
 
 
 class _Service(Protocol):
@@ -145,7 +142,6 @@ class Metrics:
         self._bytes_out: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._failed: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._latency: defaultdict[str, _Histogram] = defaultdict(_Histogram)
-        self._answered: OrderedDict[Any, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._httpd: Any = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -162,18 +158,15 @@ class Metrics:
     def delivered(self, d: Delivery) -> None:
         """Count one completed or failed chunk as the servicer delivers it.
 
-        A chunk id answered before is a repeat (a resent contribution gets the
-        cached result or the same failure): its bytes count, the chunk does not.
+        A repeat (a resent contribution answered from the cache, or with the
+        failure already reported) counts its bytes, not a second chunk.
         """
         label = self.job_label(d.chunk.job)
         if not d.error_code:
             self._bytes_out[label, DTYPE_NAMES.get(d.dtype, "unknown")] += (
                 len(d.data) * len(d.sinks))
-        if d.chunk in self._answered:
+        if d.repeat:
             return
-        self._answered[d.chunk] = None
-        if len(self._answered) > _ANSWERED_MAX:
-            self._answered.popitem(last=False)
         if d.error_code:
             self._failed[label, d.error_code.lower()] += 1
         else:

@@ -29,6 +29,9 @@ DTYPE_NAMES = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16",
 OP_NAMES = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
             pb.REDUCE_OP_MEAN: "mean"}
 
+# A job with nothing open for this long is forgotten (its stats too).
+JOB_FORGET_AFTER_S = 3600.0
+
 # Status code names (the servicer maps them to grpc.StatusCode).
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
@@ -56,6 +59,7 @@ class Contribution:
     dtype: int
     op: int
     data: bytes
+    layout: int = 0  # the sender's layout fingerprint (0: not checked)
 
     @property
     def numel(self) -> int:
@@ -76,6 +80,8 @@ class Delivery:
     error_message: str = ""
     # Seconds from the chunk's first contribution to this delivery (0 if it never opened).
     latency_s: float = 0.0
+    # A result sent again from the cache to a resent contribution (not a new completion).
+    repeat: bool = False
 
 
 @dataclass
@@ -87,6 +93,10 @@ class JobStats:
     open_chunks: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    last_active_s: float = 0.0  # table clock
+    # The layout fingerprint of the job's open chunks and the rank that set it.
+    layout: int = 0
+    layout_rank: int = 0
 
 
 @dataclass
@@ -175,10 +185,17 @@ class ReductionTable:
             job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
         job.world_sizes.add(part.world_size)
         job.bytes_in += len(part.data)
+        job.last_active_s = now
+        if part.layout:
+            if not job.layout or not job.open_chunks:
+                job.layout, job.layout_rank = part.layout, part.rank
+            elif part.layout != job.layout:
+                return self._layout_mismatch(chunk, part, sink, job)
 
         failure = self._failed.get(chunk)
         if failure is not None:
-            return [self._error(chunk, part, (sink,), failure.code, failure.message)]
+            return [self._error(chunk, part, (sink,), failure.code, failure.message,
+                                repeat=True)]
         result = self._results.get(chunk)
         if result is not None:
             return [self._repeat(chunk, result, part, sink)]
@@ -208,6 +225,9 @@ class ReductionTable:
         self._failed = {cid: f for cid, f in self._failed.items() if f.expires_s > now}
         for cid in [cid for cid, r in self._results.items() if r.expires_s <= now]:
             self._drop_result(cid)
+        for name in [name for name, job in self.jobs.items()
+                     if not job.open_chunks and now - job.last_active_s > JOB_FORGET_AFTER_S]:
+            del self.jobs[name]  # its counters would otherwise pile up for ever
         late = [cid for cid, c in self._open.items()
                 if now - c.started_s >= self.round_timeout_s]
         deliveries = []
@@ -286,9 +306,9 @@ class ReductionTable:
                         error_code=code, error_message=message, latency_s=latency_s)
 
     def _error(self, cid: ChunkId, part: Contribution, sinks: tuple[Hashable, ...],
-               code: str, message: str) -> Delivery:
+               code: str, message: str, repeat: bool = False) -> Delivery:
         return Delivery(cid, part.dtype, part.op, part.world_size, sinks,
-                        error_code=code, error_message=message)
+                        error_code=code, error_message=message, repeat=repeat)
 
     def _repeat(self, cid: ChunkId, result: _Result, part: Contribution,
                 sink: Hashable) -> Delivery:
@@ -300,7 +320,21 @@ class ReductionTable:
                                "that disagrees with the completed chunk (dtype, length "
                                "or world_size)")
         return Delivery(cid, result.dtype, result.op, result.world_size, (sink,),
-                        data=result.data)
+                        data=result.data, repeat=True)
+
+    def _layout_mismatch(self, cid: ChunkId, part: Contribution, sink: Hashable,
+                         job: JobStats) -> list[Delivery]:
+        """Fail the job's open chunks: its ranks disagree on the daemon list."""
+        message = (f"job {cid.job!r}: rank {part.rank} and rank {job.layout_rank} disagree "
+                   "on the chunk layout (the daemon list, its order, or chunk_bytes); give "
+                   "every worker the same REDUCER_ADDRESSES in the same order")
+        deliveries = [self._fail(open_id, INVALID_ARGUMENT, message, tuple(c.sinks))
+                      for open_id, c in list(self._open.items()) if open_id.job == cid.job]
+        if cid in self._open or cid in self._failed:
+            deliveries.append(self._error(cid, part, (sink,), INVALID_ARGUMENT, message))
+        else:
+            deliveries.append(self._fail(cid, INVALID_ARGUMENT, message, (sink,), part))
+        return deliveries
 
     def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, data: bytes) -> None:
         slot = (cid.job, cid.key, cid.offset)

@@ -144,7 +144,7 @@ class ReducerService(pb_grpc.ReducerServicer):
                     self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
                 cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
                 part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
-                                    shard.data)
+                                    shard.data, shard.layout)
                 stream.waiting.add(cid)
                 self.deliver(self.table.contribute(cid, part, stream))
         except asyncio.CancelledError:

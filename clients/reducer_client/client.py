@@ -18,7 +18,7 @@ from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client.env import settings_from_env
 from reducer_client.errors import ReducerError
-from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, plan_chunks
+from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, layout_fingerprint, plan_chunks
 from reducer_client.link import DaemonLink
 from reducer_client.tls import TLSConfig, channel_credentials
 
@@ -124,6 +124,9 @@ class ReducerClient:
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        # What every worker must agree on for daemon i; the daemon checks it per job.
+        self._layouts = [layout_fingerprint(len(self.addresses), i, self.chunk_bytes)
+                         for i in range(len(self.addresses))]
         metadata = [("authorization", f"Bearer {token}")] if token else []
         if tls is True:
             tls = TLSConfig()
@@ -240,6 +243,7 @@ class ReducerClient:
             shards.append(pb.Shard(
                 job=self.job, rank=self.rank, world_size=self.world_size, round=round_,
                 key=key, offset=chunk.offset, dtype=dtype, op=op,
+                layout=self._layouts[chunk.daemon],
                 data=encoded[chunk.offset:chunk.offset + chunk.numel].tobytes()))
             handlers.append(operation.handler(chunk))
         try:

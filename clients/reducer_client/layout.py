@@ -8,10 +8,11 @@ element belongs to exactly one chunk and every chunk to exactly one daemon.
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "plan_chunks", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["Chunk", "plan_chunks", "layout_fingerprint", "DEFAULT_CHUNK_BYTES"]
 
 # Wire bytes per chunk. 1 MiB measured best on loopback (see README,
 # "Choosing chunk_bytes"); well under gRPC's default 4 MiB message limit.
@@ -60,3 +61,16 @@ def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
         chunks.append(Chunk(offset, size, (first_daemon + i) % num_daemons))
         offset += size
     return chunks
+
+
+def layout_fingerprint(num_daemons: int, daemon: int, chunk_bytes: int) -> int:
+    """A non-zero 64-bit digest of what fixes the layout as daemon `daemon` sees it.
+
+    Workers that agree on the number of daemons, this daemon's place in the
+    list and the chunk size send the same value; any disagreement would make
+    their chunks miss each other, so the daemon refuses it (Shard.layout).
+    Addresses themselves are left out: one worker may name a daemon by IP and
+    another by host name.
+    """
+    text = f"reducer-layout/v1 {num_daemons} {daemon} {chunk_bytes}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1

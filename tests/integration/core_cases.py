@@ -157,3 +157,18 @@ def silent_rank_worker(rank: int, world_size: int, addresses: list[str], silent:
             return {"error": None}
         except ReducerError as exc:
             return {"error": (exc.code.name, str(exc)), "elapsed": time.monotonic() - start}
+
+
+def disagreeing_list_worker(rank: int, world_size: int, addresses: list[str]) -> dict:
+    """Rank 1 lists the daemons in the other order: a clear error, not a stall."""
+    import time
+
+    mine = list(reversed(addresses)) if rank == 1 else list(addresses)
+    with ReducerClient(mine, job="disagree", rank=rank, world_size=world_size,
+                       timeout=30) as client:
+        start = time.monotonic()
+        try:
+            client.allreduce(np.ones(1 << 20, dtype=np.float32), key="k")
+            return {"error": None}
+        except ReducerError as exc:
+            return {"error": (exc.code.name, str(exc)), "elapsed": time.monotonic() - start}

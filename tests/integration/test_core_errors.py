@@ -13,7 +13,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from core_cases import mismatch_worker, silent_rank_worker
+from core_cases import disagreeing_list_worker, mismatch_worker, silent_rank_worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reducer_client import ReducerClient, ReducerError
@@ -90,6 +90,17 @@ def test_silent_rank_gives_deadline_exceeded_naming_it(daemons):
         assert code == "DEADLINE_EXCEEDED"
         assert "rank(s) 2 of 3" in message and "'silent'" in message and "round 0" in message
         assert result["elapsed"] < 2 + 1.0
+
+
+def test_workers_that_disagree_on_the_daemon_list_fail_fast(daemons):
+    """Rank 1 lists the two daemons in the other order: both ranks get
+    INVALID_ARGUMENT saying so, long before the 20 s round timeout."""
+    with daemons(2, round_timeout=20) as d:
+        results = run_workers(disagreeing_list_worker, 2, (d.addresses,))
+    for result in results:
+        code, message = result["error"]
+        assert code == "INVALID_ARGUMENT" and "disagree on the chunk layout" in message
+        assert result["elapsed"] < 10
 
 
 def test_retried_contribution_is_not_counted_twice(daemon):

@@ -145,3 +145,33 @@ def test_contribution_resent_after_completion_gets_the_cached_result():
     # Once forgotten, a resend opens the round anew (it is counted once per rank).
     assert table.contribute(CID, part(1, [2.0]), "late") == []
     assert table.open_chunk_count == 1
+
+
+def test_ranks_that_disagree_on_the_layout_fail_fast():
+    """Rank 1 has another daemon list (other fingerprint): the job's open chunks
+    fail with INVALID_ARGUMENT at once instead of stalling to the timeout."""
+    table = ReductionTable(60, 1 << 30)
+    first = Contribution(0, 2, F16, SUM, part(0, [1.0]).data, layout=111)
+    assert table.contribute(CID, first, "r0") == []
+    other = ChunkId("job", "k", 0, 8)  # a chunk rank 0 never sends to this daemon
+    odd = Contribution(1, 2, F16, SUM, part(1, [1.0]).data, layout=222)
+    failed = table.contribute(other, odd, "r1")
+    assert {d.chunk for d in failed} == {CID, other}
+    assert all(d.error_code == "INVALID_ARGUMENT" for d in failed)
+    assert "disagree on the chunk layout" in failed[0].error_message
+    assert table.open_chunk_count == 0 and table.bytes_held == 0
+    # Once the job has nothing open, a new run may bring a new layout.
+    nxt = ChunkId("job", "k", 1, 0)
+    assert table.contribute(nxt, odd, "r1") == []
+
+
+def test_idle_jobs_are_forgotten():
+    clock = Clock()
+    table = ReductionTable(5.0, 1 << 30, clock=clock)
+    table.contribute(CID, part(0, [1.0], world_size=1), "r0")
+    clock.now = 3599.0
+    table.expire()
+    assert "job" in table.jobs
+    clock.now = 3601.0
+    table.expire()
+    assert "job" not in table.jobs
