@@ -1,0 +1,186 @@
+"""Tensors to and from the core's NumPy arrays, on any device.
+
+The core takes float16, float32 and float64 NumPy arrays and copies its input
+before allreduce_async returns. So a CPU tensor of those dtypes is handed over
+as a zero-copy view; bfloat16 (which NumPy lacks) widens to float32, exactly.
+
+CUDA tensors go through a pinned host buffer per key, reused across steps:
+the device-to-host copy is queued on the current CUDA stream without
+blocking, and one staging thread waits for it and hands the buffer to the
+core, so the autograd thread that launched it keeps queuing kernels. The
+result goes back through the same buffer with a non-blocking host-to-device
+copy on the stream the caller names. Any other device takes a plain blocking
+copy through the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from reducer_client.api import Reducer
+
+__all__ = ["flat_dtype", "to_numpy", "staging_for", "Staging"]
+
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def flat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a tensor of `dtype` is handed to the core."""
+    return dtype if dtype in _NUMPY_DTYPES else torch.float32
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's values as a NumPy array the core accepts (a view where possible)."""
+    if not tensor.is_floating_point():
+        raise TypeError(f"dtype {tensor.dtype} cannot be reduced: the wire carries "
+                        "floating-point values only")
+    host = tensor.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()  # blocking: the simple path for one-off calls
+    return host.to(flat_dtype(host.dtype)).contiguous().numpy()
+
+
+def _chain(source: Future, target: Future) -> None:
+    """Complete `target` with `source`'s outcome once it has one."""
+    def copy(done: Future) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+    source.add_done_callback(copy)
+
+
+@dataclass
+class _HostBuffer:
+    """A pinned staging buffer and the CUDA event after which it may be overwritten."""
+
+    host: torch.Tensor
+    free: torch.cuda.Event | None = None
+
+
+class Staging:
+    """Start reductions of flat tensors and write the results back, for one Reducer.
+
+    Contract: at most one reduction per key is in flight (each key's next
+    round starts after its previous result was written back), which is how
+    DDP buckets and the DistributedOptimizer's buckets behave.
+    """
+
+    def __init__(self) -> None:
+        # _lock guards _buffers and _executor; taken by autograd threads
+        # (start), the core's reader threads (finish) and step() callers.
+        self._lock = threading.Lock()
+        self._buffers: dict[str, _HostBuffer] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    def start(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
+              ) -> Future[np.ndarray]:
+        """Start reducing the 1-D tensor `flat`; the future holds the result in NumPy."""
+        if flat.device.type == "cuda":
+            return self._start_cuda(reducer, flat, key, op)
+        return reducer.allreduce_async(to_numpy(flat), key, op)
+
+    def finish(self, result: np.ndarray, out: torch.Tensor, key: str,
+               stream: torch.cuda.Stream | None = None) -> None:
+        """Write a reduced result into the 1-D tensor `out`, converting its dtype.
+
+        For CUDA the copy is queued on `stream` (default: the current one), so
+        work queued on that stream afterwards sees the result.
+        """
+        if out.device.type == "cuda":
+            self._finish_cuda(result, out, key, stream)
+        else:
+            out.copy_(torch.from_numpy(result))
+
+    # -- CUDA ----------------------------------------------------------------
+
+    def _start_cuda(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
+                    ) -> Future[np.ndarray]:
+        # Cast to the wire's float16 on the GPU when that is the wire dtype:
+        # half the bytes over PCIe, and the same rounding (nearest even) the
+        # core would apply on the host.
+        if getattr(reducer, "wire_dtype", None) == "float16" and flat.dtype != torch.float16:
+            host_dtype = torch.float16
+        else:
+            host_dtype = flat_dtype(flat.dtype)
+        buffer = self._host_buffer(key, flat.numel(), host_dtype)
+        stream = torch.cuda.current_stream(flat.device)
+        if buffer.free is not None:
+            stream.wait_event(buffer.free)  # the last result's copy has read the buffer
+        # A dtype change happens on the GPU (copy_ converts on the source
+        # device for non-blocking device-to-host copies).
+        buffer.host.copy_(flat, non_blocking=True)
+        # A blocking-sync event: the staging thread sleeps instead of spinning
+        # on a core that the core's gRPC threads need.
+        copied = torch.cuda.Event(blocking=True)
+        copied.record(stream)
+        reduced: Future[np.ndarray] = Future()
+
+        def hand_over() -> None:
+            # One staging thread, first in first out: each key's rounds reach
+            # the core in launch order, the same on every rank.
+            copied.synchronize()
+            _chain(reducer.allreduce_async(buffer.host.numpy(), key, op), reduced)
+
+        def report(done: Future) -> None:
+            if done.exception() is not None:
+                reduced.set_exception(done.exception())
+
+        self._staging_thread().submit(hand_over).add_done_callback(report)
+        return reduced
+
+    def _finish_cuda(self, result: np.ndarray, out: torch.Tensor, key: str,
+                     stream: torch.cuda.Stream | None) -> None:
+        with self._lock:
+            buffer = self._buffers[key]
+        # Safe to overwrite: the device-to-host copy of this round completed
+        # before the core got the buffer.
+        buffer.host.numpy()[...] = result
+        stream = stream if stream is not None else torch.cuda.current_stream(out.device)
+        with torch.cuda.stream(stream):
+            if out.dtype == buffer.host.dtype:
+                out.copy_(buffer.host, non_blocking=True)
+            else:
+                # Copy, then convert on the GPU: copy_ alone would convert on
+                # the host into pageable memory and copy synchronously.
+                out.copy_(buffer.host.to(out.device, non_blocking=True))
+            free = torch.cuda.Event()
+            free.record(stream)
+        buffer.free = free
+
+    def _host_buffer(self, key: str, numel: int, dtype: torch.dtype) -> _HostBuffer:
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.host.numel() != numel or buffer.host.dtype != dtype:
+                # DDP rebuilds its buckets after the first step: sizes change once.
+                buffer = _HostBuffer(torch.empty(numel, dtype=dtype, pin_memory=True))
+                self._buffers[key] = buffer
+            return buffer
+
+    def _staging_thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="reducer-torch-staging")
+            return self._executor
+
+
+# One Staging per Reducer, dropped with it. _stagings_lock guards the map.
+_stagings: weakref.WeakKeyDictionary[Reducer, Staging] = weakref.WeakKeyDictionary()
+_stagings_lock = threading.Lock()
+
+
+def staging_for(reducer: Reducer) -> Staging:
+    """The Staging (pinned buffers, staging thread) that belongs to `reducer`."""
+    with _stagings_lock:
+        staging = _stagings.get(reducer)
+        if staging is None:
+            staging = _stagings[reducer] = Staging()
+        return staging

@@ -1,0 +1,329 @@
+"""DistributedOptimizer: reduce gradients during backward, apply them in step().
+
+    opt = rt.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+Each parameter's gradient counts as final once it has been accumulated
+`backward_passes_per_step` times (a post-accumulate-grad hook). Parameters
+are packed into buckets of about `bucket_bytes`, in reverse order of
+`named_parameters` (roughly the order backward produces them, as DDP does);
+a bucket's reduction starts as soon as all its gradients are final, so it
+overlaps the rest of backward. step() starts the buckets that are still
+missing gradients, waits for all of them and then runs the wrapped
+optimizer's own step.
+
+A parameter that got no gradient on some rank in a step is sent as zeros,
+with a flag that says so: the flags are reduced with the bucket, so every
+rank learns whether any rank had a gradient. If one did, the parameter gets
+the average on every rank (ranks without a gradient contributed zero, which
+is what a single process would compute for the concatenated batch); if none
+did, its .grad stays None on every rank and the optimizer skips it, as it
+would in a single process. Every rank therefore reduces every bucket once
+per step, whatever it used: no rank waits for a round that others skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from reducer_client.api import Reducer
+from reducer_client.torch._process import next_index, resolve
+from reducer_client.torch._tensors import Staging, flat_dtype, staging_for
+
+__all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES"]
+
+# DDP's default bucket_cap_mb.
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+class _Bucket:
+    """Parameters reduced together as one flat tensor under one key.
+
+    The flat tensor holds the gradients, then one presence flag per
+    parameter (1 where this rank had a gradient).
+    """
+
+    def __init__(self, key: str, params: list[torch.Tensor], names: list[str]) -> None:
+        self.key, self.params, self.names = key, params, names
+        self.numels = [p.numel() for p in params]
+        self.offsets = list(itertools.accumulate(self.numels, initial=0))[:-1]
+        self.numel = sum(self.numels)
+        self.flat: torch.Tensor | None = None
+        # Step state, guarded by _GradientReducer._lock.
+        self.ready = 0
+        self.launched = False
+        self.future: Future[np.ndarray] | None = None
+
+    def fill_flat(self) -> torch.Tensor:
+        """Copy the gradients (zeros where missing) and presence flags into the flat tensor."""
+        first = self.params[0]
+        if self.flat is None:
+            self.flat = torch.empty(self.numel + len(self.params), device=first.device,
+                                    dtype=flat_dtype(first.dtype))
+        # Device-side fills only: a host-to-device copy of the flags would
+        # wait for the stream and so for the rest of backward.
+        flags = self.flat[self.numel:]
+        flags.fill_(1.0)
+        for index, (param, name, offset, numel) in enumerate(zip(
+                self.params, self.names, self.offsets, self.numels, strict=True)):
+            grad = param.grad
+            target = self.flat[offset:offset + numel]
+            if grad is None:
+                target.zero_()
+                flags[index].fill_(0.0)
+            elif grad.is_sparse:
+                raise ValueError(f"parameter {name!r} has a sparse gradient: not supported")
+            else:
+                target.copy_(grad.reshape(-1))
+        return self.flat
+
+    def write_back(self, result: np.ndarray) -> None:
+        """Set each parameter's .grad from the reduced flat tensor (already in self.flat)."""
+        assert self.flat is not None
+        present = result[self.numel:] > 0  # read on the host: no device sync
+        for param, offset, numel, had_grad in zip(self.params, self.offsets, self.numels,
+                                                  present, strict=True):
+            if not had_grad:
+                continue  # no rank had a gradient: leave .grad alone (None)
+            reduced = self.flat[offset:offset + numel].view_as(param)
+            if param.grad is None:
+                param.grad = reduced.to(param.dtype, copy=True)
+            else:
+                param.grad.copy_(reduced)
+
+
+class _GradientReducer:
+    """The buckets of one optimizer and the hooks that launch them."""
+
+    def __init__(self, reducer: Reducer, named_params: list[tuple[str, torch.Tensor]],
+                 op: str, backward_passes_per_step: int, bucket_bytes: int,
+                 prefix: str) -> None:
+        self.reducer, self.op = reducer, op
+        self.backward_passes_per_step = backward_passes_per_step
+        self.staging: Staging = staging_for(reducer)
+        self.buckets = _plan_buckets(named_params, bucket_bytes, prefix)
+        # id(param) -> (bucket, name); tensors hash by identity anyway.
+        self._where = {id(p): (b, n) for b in self.buckets
+                       for p, n in zip(b.params, b.names, strict=True)}
+        # _lock guards the step state (_passes_left, bucket.ready / launched /
+        # future); taken by autograd threads in the hook and by the caller
+        # of synchronize(). Launches happen outside it.
+        self._lock = threading.Lock()
+        self._passes_left = {pid: backward_passes_per_step for pid in self._where}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_accumulated)
+                         for b in self.buckets for p in b.params]
+
+    def _on_accumulated(self, param: torch.Tensor) -> None:
+        bucket, name = self._where[id(param)]
+        with self._lock:
+            left = self._passes_left[id(param)] - 1
+            if left < 0:
+                raise RuntimeError(
+                    f"gradient of {name!r} was accumulated more than "
+                    f"backward_passes_per_step={self.backward_passes_per_step} times "
+                    "before step(): call step() (or synchronize()) after that many "
+                    "backward passes")
+            self._passes_left[id(param)] = left
+            if left > 0:
+                return
+            bucket.ready += 1
+            if bucket.ready < len(bucket.params) or bucket.launched:
+                return
+            bucket.launched = True
+        self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        with torch.no_grad():
+            flat = bucket.fill_flat()
+            bucket.future = self.staging.start(self.reducer, flat, bucket.key, self.op)
+
+    def in_flight(self) -> bool:
+        with self._lock:
+            return any(b.launched for b in self.buckets)
+
+    def synchronize(self) -> None:
+        """Start the buckets still open, wait for all, set the averaged gradients."""
+        with self._lock:
+            missing = [b for b in self.buckets if not b.launched]
+            for bucket in missing:
+                bucket.launched = True
+        try:
+            for bucket in missing:
+                self._launch(bucket)
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    assert bucket.future is not None and bucket.flat is not None
+                    result = bucket.future.result()  # the core's timeout bounds the wait
+                    self.staging.finish(result, bucket.flat, bucket.key)
+                    bucket.write_back(result)
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's progress (after synchronize, or zero_grad)."""
+        with self._lock:
+            for pid in self._passes_left:
+                self._passes_left[pid] = self.backward_passes_per_step
+            for bucket in self.buckets:
+                bucket.ready, bucket.launched, bucket.future = 0, False, None
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _plan_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  prefix: str) -> list[_Bucket]:
+    """Pack parameters, in reverse order, into buckets of one device and dtype each."""
+    open_buckets: dict[tuple[torch.device, torch.dtype], tuple[list, list, int]] = {}
+    closed: list[tuple[list, list]] = []
+    for name, param in reversed(named_params):
+        group = (param.device, param.dtype)
+        params, names, nbytes = open_buckets.get(group, ([], [], 0))
+        param_bytes = param.numel() * param.element_size()
+        if params and nbytes + param_bytes > bucket_bytes:
+            closed.append((params, names))
+            params, names, nbytes = [], [], 0
+        params.append(param)
+        names.append(name)
+        open_buckets[group] = (params, names, nbytes + param_bytes)
+    closed.extend((params, names) for params, names, _ in open_buckets.values())
+    return [_Bucket(f"{prefix}/bucket.{i}", params, names)
+            for i, (params, names) in enumerate(closed)]
+
+
+class _DistributedOptimizer:
+    """Mixin put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
+
+    _gradients: _GradientReducer
+    _synchronized: bool  # synchronize() was called since the last step()
+    _skip_sync: bool  # inside skip_synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for the averaged gradients now (to clip them, say) instead of in step()."""
+        self._gradients.synchronize()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's idiom: `opt.synchronize(); clip; with opt.skip_synchronize(): opt.step()`."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure: Callable[[], float] | None = None):
+        """Evaluate the closure if any, average the gradients, run the optimizer's step.
+
+        The closure (its backward included) is evaluated once, before the
+        reduction; optimizers that call it several times per step (LBFGS)
+        are not supported.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not (self._synchronized or self._skip_sync):
+            self._gradients.synchronize()
+        self._synchronized = False
+        super().step()  # type: ignore[misc]
+        return loss
+
+    # Optimizer.load_state_dict re-patches `type(self).step` for profiling
+    # unless it is marked hooked; the wrapped class's step, which ours calls,
+    # is already patched, so ours must not run the step hooks a second time.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._gradients.in_flight():
+            raise RuntimeError("zero_grad() was called after backward() started reducing "
+                               "gradients but before step() or synchronize(): call step() "
+                               "first, or zero_grad() before backward()")
+        self._gradients.reset()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+
+@functools.cache
+def _distributed_class(base: Any) -> Any:
+    return type(base.__name__, (_DistributedOptimizer, base),
+                {"__module__": _DistributedOptimizer.__module__,
+                 "__doc__": f"{base.__name__} with gradients averaged through reducerd."})
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovod's name)
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         op: str = "mean", backward_passes_per_step: int = 1,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, name: str | None = None,
+                         *, reducer: Reducer | None = None) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that step() applies gradients averaged over all workers.
+
+    Returns an instance of a subclass of the optimizer's own class that
+    shares its parameter groups and state (isinstance, LR schedulers,
+    state_dict and load_state_dict work as before); use it instead of the
+    original. `named_parameters` (e.g. model.named_parameters()) fixes the
+    bucket order and the names in error messages; it must name every
+    parameter of the optimizer. Without it, the optimizer's own order is used.
+    Only parameters with requires_grad at wrap time take part.
+
+    op is "mean" (the default, as Horovod's) or "sum". Gradients accumulated
+    over `backward_passes_per_step` backward passes are reduced once, as they
+    are: scale the loss as you would in a single process. Call zero_grad()
+    before backward or after step(), not between them. `name` prefixes the
+    keys of this optimizer's buckets (default "optimizer.N", N counting the
+    DistributedOptimizers created with this reducer); it must be the same on
+    every rank. `reducer` defaults to the process-wide client of init().
+    """
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op {op!r}: one of mean, sum")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got "
+                         f"{backward_passes_per_step}")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise TypeError("optimizer is already a DistributedOptimizer")
+    named = _named_optimizer_params(optimizer, named_parameters)
+    cls = _distributed_class(type(optimizer))  # type: ignore[arg-type]
+    distributed = cls.__new__(cls)
+    # Share everything (param_groups, state, defaults, hooks) with the
+    # wrapped optimizer, rather than constructing a second one.
+    distributed.__dict__.update(optimizer.__dict__)
+    reducer = resolve(reducer)
+    distributed._gradients = _GradientReducer(
+        reducer, named, op, backward_passes_per_step, bucket_bytes,
+        name if name is not None else f"optimizer.{next_index(reducer, 'optimizer')}")
+    distributed._synchronized = distributed._skip_sync = False
+    return distributed
+
+
+def _named_optimizer_params(optimizer: torch.optim.Optimizer,
+                            named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                            ) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) for each parameter of the optimizer that requires grad."""
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
+    else:
+        named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError("named_parameters must be (name, tensor) pairs, e.g. "
+                             "model.named_parameters()")
+        names = [n for n, _ in named]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+        wanted = {id(p) for p in in_optimizer}
+        named = [(n, p) for n, p in named if id(p) in wanted]
+        unnamed = len(wanted - {id(p) for _, p in named})
+        if unnamed:
+            raise ValueError(f"named_parameters does not name {unnamed} parameter(s) "
+                             "of the optimizer")
+    return [(n, p) for n, p in named if p.requires_grad]
