@@ -16,7 +16,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e ".[torch,tensorflow,dev]"
+	$(VENV)/bin/pip install --quiet -e ".[torch,tensorflow,bench,dev]"
 	touch $@
 
 $(STAMP_MX): pyproject.toml

@@ -10,12 +10,11 @@ import argparse
 import dataclasses
 import json
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port"]
 

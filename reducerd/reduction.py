@@ -24,9 +24,9 @@ from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
            "DTYPE_NAMES", "OP_NAMES"]
 
-DTYPE_NAMES = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16",
+DTYPE_NAMES: dict[int, str] = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16",
                pb.DTYPE_FLOAT32: "float32"}
-OP_NAMES = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
+OP_NAMES: dict[int, str] = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
             pb.REDUCE_OP_MEAN: "mean"}
 
 # A job with nothing open for this long is forgotten (its stats too).

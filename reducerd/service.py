@@ -167,7 +167,8 @@ class ReducerService(pb_grpc.ReducerServicer):
             if self.observer is not None:
                 self.observer.delivered(d)
             reply = pb.Shard(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
-                             offset=d.chunk.offset, dtype=d.dtype, op=d.op,
+                             offset=d.chunk.offset, dtype=pb.DType.ValueType(d.dtype),
+                             op=pb.ReduceOp.ValueType(d.op),
                              world_size=d.world_size, data=d.data)
             if d.error_code:
                 log.warning("chunk failed (%s): %s", d.error_code, d.error_message)

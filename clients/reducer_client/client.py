@@ -242,7 +242,8 @@ class ReducerClient:
             shards, handlers = per_link[chunk.daemon]
             shards.append(pb.Shard(
                 job=self.job, rank=self.rank, world_size=self.world_size, round=round_,
-                key=key, offset=chunk.offset, dtype=dtype, op=op,
+                key=key, offset=chunk.offset, dtype=pb.DType.ValueType(dtype),
+                op=pb.ReduceOp.ValueType(op),
                 layout=self._layouts[chunk.daemon],
                 data=encoded[chunk.offset:chunk.offset + chunk.numel].tobytes()))
             handlers.append(operation.handler(chunk))

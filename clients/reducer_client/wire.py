@@ -33,7 +33,7 @@ WIRE_DTYPES: dict[str, int] = {
 WIRE_OPS: dict[str, int] = {"sum": pb.REDUCE_OP_SUM, "mean": pb.REDUCE_OP_MEAN}
 
 # Storage dtype of each wire dtype, little-endian as the contract says.
-_STORAGE = {
+_STORAGE: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_BFLOAT16: np.dtype("<u2"),
     pb.DTYPE_FLOAT32: np.dtype("<f4"),

@@ -115,7 +115,7 @@ def aggregate(config: BenchConfig, records: dict[str, dict[int, list[dict[str, A
     for system, by_rank in records.items():
         if len(by_rank) < config.workers:
             continue
-        by_size = {}
+        by_size: dict[int, list[dict[str, Any]]] = {}
         for rank in range(config.workers):
             for record in by_rank[rank]:
                 by_size.setdefault(record["size_bytes"], []).append(record)

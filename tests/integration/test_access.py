@@ -26,7 +26,7 @@ def _name(common_name):
 
 
 def _certificate(subject, key, issuer, issuer_key, is_ca=False, ip=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(subject))
                .issuer_name(_name(issuer)).public_key(key.public_key())
                .serial_number(x509.random_serial_number())

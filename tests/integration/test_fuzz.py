@@ -162,7 +162,7 @@ def test_fuzzed_daemon_is_healthy_correct_and_holds_nothing(fuzz_target):
                                grpc.StatusCode.DEADLINE_EXCEEDED}, codes
     assert codes["raw"] <= {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                             grpc.StatusCode.INTERNAL}, codes
-    for _, code, replies in results:  # in-band replies always name their chunk
+    for _, _code, replies in results:  # in-band replies always name their chunk
         for reply in replies:
             assert reply.job and reply.key and (reply.error_code or reply.data)
     good.stop()

@@ -18,10 +18,10 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from conftest import DEPLOY
 from support import running_daemons
 

@@ -11,9 +11,9 @@ import dataclasses
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 from conftest import DEPLOY
 
 from reducerd.config import _FLAGS, Config, ConfigError, add_arguments, config_from_args
