@@ -1,0 +1,22 @@
+"""The soak script in its 30-second form (the full run is 10 minutes, by hand:
+`python scripts/soak.py --duration 600`). 8 workers in two jobs, 2 daemons,
+mixed sizes: no errors, every result exact."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+
+
+@pytest.mark.slow
+def test_soak_30_seconds(tmp_path):
+    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    report = soak.run(duration_s=30, workers=8, daemons=2, warmup_s=5)
+    print(report)
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["rounds_completed"] > 100
+    assert all(rss > 0 for rss in report["daemon_rss_end_bytes"])
