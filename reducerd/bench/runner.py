@@ -58,9 +58,26 @@ def _available(config: BenchConfig, mxnet_python: Path,
     return systems
 
 
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _daemon_efficiency(config: BenchConfig, daemons: list[Proc]) -> dict[str, float]:
+    """What the daemons received per CPU-second they used, over the whole sweep."""
+    itemsize = 4 if config.wire_dtype == "float32" else 2
+    steps = config.warmup + config.iters
+    input_bytes = sum(size // 4 * itemsize * config.workers * steps
+                      for size in config.sizes_bytes)
+    cpu_s = sum(_cpu_seconds(d.process.pid) for d in daemons)
+    return {"input_bytes": input_bytes, "cpu_s": round(cpu_s, 3),
+            "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if cpu_s else 0.0}
+
+
 def _run_system(system: str, config: BenchConfig, placement: Placement, procs: ProcessSet,
                 progress: Progress, task: Any, mxnet_python: Path,
-                ) -> dict[int, list[dict[str, Any]]]:
+                stats: dict[str, Any] | None = None) -> dict[int, list[dict[str, Any]]]:
     """One system's sweep; returns each rank's per-size records."""
     per_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     steps = config.warmup + config.iters
@@ -77,6 +94,11 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
     run_id = f"{os.getpid()}-{time.monotonic_ns()}"
     workers, helpers = launch(system, config, placement, procs, run_id, mxnet_python)
     follow_workers(workers, helpers, config.stall_timeout_s, on_event)
+    if system == "reducerd" and stats is not None:
+        try:
+            stats["reducerd_daemons"] = _daemon_efficiency(config, helpers)
+        except (OSError, ValueError, IndexError):
+            pass  # a daemon already gone: no figure
     return dict(per_rank)
 
 
@@ -103,6 +125,7 @@ def run_bench(config: BenchConfig) -> int:
     procs = ProcessSet(log_dir)
     cluster: netns.Cluster | None = None
     records: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    stats: dict[str, Any] = {}
     interrupted = False
     in_main = threading.current_thread() is threading.main_thread()
     previous = ({sig: signal.signal(sig, _interrupt) for sig in _STOP_SIGNALS[1:]}
@@ -129,7 +152,7 @@ def run_bench(config: BenchConfig) -> int:
             for index, system in enumerate(systems):
                 try:
                     records[system] = _run_system(system, config, placement, procs,
-                                                  progress, task, mxnet_python)
+                                                  progress, task, mxnet_python, stats)
                 except SystemFailed as exc:
                     failed[system] = str(exc).splitlines()[0]
                     console.print(f"[red]{system} failed:[/] {exc}")
@@ -149,12 +172,14 @@ def run_bench(config: BenchConfig) -> int:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    return _report(console, config, systems, records, skipped, failed, interrupted, log_dir)
+    return _report(console, config, systems, records, skipped, failed, interrupted, log_dir,
+                   stats)
 
 
 def _report(console: Console, config: BenchConfig, systems: list[str],
             records: dict[str, dict[int, list[dict[str, Any]]]], skipped: dict[str, str],
-            failed: dict[str, str], interrupted: bool, log_dir: Path) -> int:
+            failed: dict[str, str], interrupted: bool, log_dir: Path,
+            stats: dict[str, Any]) -> int:
     results = aggregate(config, records)
     if config.log_dir is not None:  # raw per-rank, per-iteration records beside the logs
         (log_dir / "records.json").write_text(json.dumps(records))
@@ -163,8 +188,16 @@ def _report(console: Console, config: BenchConfig, systems: list[str],
         if not out.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
             out = Console(width=200)
         render_table(out, config, results)
+    daemons = stats.get("reducerd_daemons")
+    if daemons:
+        console.print(f"reducerd daemons: {daemons['input_GB_per_cpu_s']:.2f} GB of "
+                      f"{config.wire_dtype} input per daemon CPU-second "
+                      f"({daemons['input_bytes'] / 1e9:.2f} GB in {daemons['cpu_s']:.2f} s)")
     if config.json_path:
-        write_json(config.json_path, config_record(config, systems, skipped, failed), results)
+        record = config_record(config, systems, skipped, failed)
+        if daemons:
+            record["reducerd_daemons"] = daemons
+        write_json(config.json_path, record, results)
         console.print(f"wrote {config.json_path}")
     if config.plot_path and results:
         write_plot(config.plot_path, config, results)
