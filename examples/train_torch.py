@@ -39,23 +39,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=128, help="per worker")
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--bench-mib", type=float, default=16.0,
                         help="size of the float32 tensor of the final allreduce benchmark "
                              "(0 to skip)")
     return parser.parse_args(argv)
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
+def launch(args: argparse.Namespace) -> int:
     """Start args.workers copies of this script as ranks 0..N-1; wait for all."""
     if "REDUCER_ADDRESSES" not in os.environ:
         print("set REDUCER_ADDRESSES=HOST:PORT,... (the running reducerd daemons)",
               file=sys.stderr)
         return 2
-    worker_argv = [a for a in argv if not a.startswith("--workers")]
-    if "--workers" in argv:  # "--workers N" as two arguments
-        i = argv.index("--workers")
-        worker_argv = argv[:i] + argv[i + 2:]
+    worker_argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+                   if name != "workers"]
     env = {**os.environ, "REDUCER_WORLD_SIZE": str(args.workers)}
     env.setdefault("REDUCER_JOB", f"train-torch-{os.getpid()}")
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *worker_argv],
@@ -145,10 +143,9 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.workers:
-        return launch(args, argv)
+        return launch(args)
     train(args)
     return 0
 

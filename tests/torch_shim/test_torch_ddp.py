@@ -114,14 +114,14 @@ def check_against_gloo(results: list[dict], wire_dtypes: tuple[str, ...]) -> lis
             times[wire_dtype] = got["step_s"]
             report.append(f"{kind} wire={wire_dtype}: max |param - gloo| = {diff:.2e} "
                           f"(tolerance {tol:.2e})")
-        report.append(f"{kind} median step time over {len(results)} workers: " + ", ".join(
+        report.append(f"{kind}, {len(results)} workers, rank 0's median step time: " + ", ".join(
             f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items()))
     return report
 
 
 @pytest.mark.parametrize("world_size, wire_dtypes", [
-    (2, ("float16", "bfloat16", "float32")),
-    (4, ("float16",)),
+    pytest.param(2, ("float16", "bfloat16", "float32"), id="2workers"),
+    pytest.param(4, ("float16",), id="4workers"),
 ])
 def test_ddp_hook_matches_gloo(daemons, tmp_path, world_size, wire_dtypes):
     """20 SGD steps of an MLP and a CNN: the hook's parameters equal Gloo's within tolerance."""
