@@ -2,7 +2,8 @@
 `python scripts/soak.py --duration 600`). 8 workers in two jobs, 2 daemons,
 mixed sizes: no errors, every result exact."""
 
-import importlib.util
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
 @pytest.mark.slow
-def test_soak_30_seconds(tmp_path):
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+def test_soak_30_seconds(tmp_path, monkeypatch):
+    # Importable by name, so the spawned workers can unpickle soak.worker.
+    monkeypatch.setattr(sys, "path", [str(SCRIPT.parent), *sys.path])
+    soak = importlib.import_module("soak")
     report = soak.run(duration_s=30, workers=8, daemons=2, warmup_s=5)
     print(report)
     assert report["errors"] == 0, report["error_samples"]
