@@ -158,7 +158,7 @@ class ReductionTable:
         self._latest_round: dict[tuple[str, str, int], int] = {}
         self.cached_bytes = 0
         self.max_cached_bytes = max_inflight_bytes // 2
-        self._scratch = np.empty(0, dtype=np.float32)  # bfloat16 widening buffer
+        self._scratch = np.empty(0, dtype=np.float32)  # float16/bfloat16 widening buffer
         self.accepting_new_chunks = True
 
     # -- queries -------------------------------------------------------------
@@ -364,7 +364,7 @@ class ReductionTable:
             job.open_chunks -= 1
 
     def _scratch_for(self, part: Contribution) -> np.ndarray | None:
-        if part.dtype != pb.DTYPE_BFLOAT16:
+        if part.dtype == pb.DTYPE_FLOAT32:
             return None
         if self._scratch.size < part.numel:
             self._scratch = np.empty(part.numel, dtype=np.float32)

@@ -19,7 +19,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
 from reducerd import __version__
 from reducerd.config import Config
@@ -92,7 +91,7 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        pb_grpc.add_ReducerServicer_to_server(self.service, server)
+        server.add_generic_rpc_handlers((self.service.handler(),))
         self.health = _health_servicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

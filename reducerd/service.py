@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import grpc
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_client.shardcodec import DecodeError, ShardView, decode_shard, encode_shard
 
 from reducerd import __version__
 from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
@@ -71,7 +71,19 @@ class _Throughput:
         return (bytes_in - in0) / span, (bytes_out - out0) / span
 
 
-def check_shard(shard: pb.Shard) -> str:
+def _decode_request(message: bytes) -> ShardView | DecodeError:
+    # Never raise here: gRPC would end the call with a bare INTERNAL.
+    try:
+        return decode_shard(message)
+    except DecodeError as exc:
+        return exc
+
+
+def _bytes(message: bytes) -> bytes:
+    return message  # replies are serialized once by deliver(), for every stream
+
+
+def check_shard(shard: ShardView) -> str:
     """Why this shard is invalid on its own, or '' if it is fine."""
     if not shard.job:
         return "job is empty"
@@ -96,8 +108,14 @@ def check_shard(shard: pb.Shard) -> str:
     return ""
 
 
-class ReducerService(pb_grpc.ReducerServicer):
-    """Reduce and GetStatus over one ReductionTable."""
+class ReducerService:
+    """Reduce and GetStatus over one ReductionTable.
+
+    Shards are decoded and encoded by reducer_client.shardcodec rather than the
+    generated classes, so shard data is never copied on its way in (a view
+    into the received message) and each reply is serialized once for all the
+    streams it goes to.
+    """
 
     def __init__(self, table: ReductionTable, stalled_after_s: float = STALLED_AFTER_S,
                  observer: Observer | None = None) -> None:
@@ -132,6 +150,10 @@ class ReducerService(pb_grpc.ReducerServicer):
     async def _read(self, request_iterator, stream: _Stream) -> None:
         try:
             async for shard in request_iterator:
+                if isinstance(shard, DecodeError):
+                    stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
+                                              f"malformed Shard message: {shard}"))
+                    return
                 problem = check_shard(shard)
                 if problem:
                     stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
@@ -157,7 +179,18 @@ class ReducerService(pb_grpc.ReducerServicer):
         stream.half_closed = True
         stream.maybe_finish()
 
-    def _note_job(self, shard: pb.Shard) -> None:
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The reducer.v1.Reducer service with our own Shard codec."""
+        return grpc.method_handlers_generic_handler("reducer.v1.Reducer", {
+            "Reduce": grpc.stream_stream_rpc_method_handler(
+                self.Reduce, request_deserializer=_decode_request,
+                response_serializer=_bytes),
+            "GetStatus": grpc.unary_unary_rpc_method_handler(
+                self.GetStatus, request_deserializer=pb.StatusRequest.FromString,
+                response_serializer=pb.StatusReply.SerializeToString),
+        })
+
+    def _note_job(self, shard: ShardView) -> None:
         if shard.job not in self.table.jobs:
             log.info("job %r first seen (world size %d)", shard.job, shard.world_size)
 
@@ -166,19 +199,18 @@ class ReducerService(pb_grpc.ReducerServicer):
         for d in deliveries:
             if self.observer is not None:
                 self.observer.delivered(d)
-            reply = pb.Shard(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
-                             offset=d.chunk.offset, dtype=pb.DType.ValueType(d.dtype),
-                             op=pb.ReduceOp.ValueType(d.op),
-                             world_size=d.world_size, data=d.data)
-            if d.error_code:
+            code = getattr(grpc.StatusCode, d.error_code) if d.error_code else None
+            if code is not None and not d.repeat:
                 log.warning("chunk failed (%s): %s", d.error_code, d.error_message)
-                reply.error_code = getattr(grpc.StatusCode, d.error_code).value[0]
-                reply.error_message = d.error_message
+            reply = encode_shard(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
+                                 offset=d.chunk.offset, dtype=d.dtype, op=d.op,
+                                 world_size=d.world_size, data=d.data,
+                                 error_code=code.value[0] if code else 0,
+                                 error_message=d.error_message)
             for sink in d.sinks:
                 stream: _Stream = sink  # type: ignore[assignment]
-                if d.error_code and not stream.inband_errors:
-                    stream.outbox.put_nowait((getattr(grpc.StatusCode, d.error_code),
-                                              d.error_message))
+                if code is not None and not stream.inband_errors:
+                    stream.outbox.put_nowait((code, d.error_message))
                 else:
                     stream.outbox.put_nowait(reply)
                 stream.waiting.discard(d.chunk)

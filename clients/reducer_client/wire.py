@@ -2,8 +2,14 @@
 
 NumPy has no bfloat16, so bfloat16 travels as uint16 bit patterns: the upper
 half of a float32. Widening is exact (shift left by 16); narrowing rounds to
-nearest, ties to even, and keeps NaN a NaN. float16 uses NumPy's own casts,
-which also round to nearest even.
+nearest, ties to even, and keeps NaN a NaN.
+
+float16 between float32 arrays is converted here with whole-array integer and
+float32 operations too: NumPy's own float16 casts run a scalar loop, 3x
+slower to widen and 1.7x slower to narrow (512 Ki elements: 0.9 ms and 1.3 ms
+against 0.3 ms and 0.75 ms on this project's machines). Both give NumPy's
+results bit for bit (tests/unit/test_wire.py checks every float16 value and
+millions of float32 patterns), rounding to nearest, ties to even.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ __all__ = [
     "add_wire_into",
     "copy_wire_into",
     "bfloat16_bits_from_float32",
+    "float16_bits_to_float32",
+    "float32_to_float16_bits",
 ]
 
 # Name used in the client API -> protobuf enum value.
@@ -52,6 +60,62 @@ def wire_itemsize(dtype: int) -> int:
     return wire_numpy_dtype(dtype).itemsize
 
 
+_F16_TO_F32_SCALE = np.float32(2.0 ** 112)  # f32 exponent bias 127 - f16 bias 15
+_F16_LIMIT = np.float32(65536.0)  # anything this large was an f16 inf or NaN
+_DENORM_MAGIC_BITS = np.uint32(((127 - 15) + (23 - 10) + 1) << 23)
+_DENORM_MAGIC = np.array(_DENORM_MAGIC_BITS, dtype=np.uint32).view(np.float32)[()]
+
+
+def float16_bits_to_float32(bits: np.ndarray, out: np.ndarray) -> None:
+    """Widen float16 bit patterns (uint16) into float32 `out`, exactly.
+
+    Shifting the 15 exponent+mantissa bits into float32 position gives the
+    value times 2^-112; one float32 multiply by 2^112 fixes the exponent and
+    turns float16 subnormals into normal floats. A result of 2^16 or more can
+    only come from inf/NaN (exponent 31): set its exponent to all ones.
+    """
+    u = out.view(np.uint32)
+    np.copyto(u, bits, casting="unsafe")
+    sign = u & np.uint32(0x8000)
+    u &= np.uint32(0x7FFF)
+    u <<= np.uint32(13)
+    out *= _F16_TO_F32_SCALE
+    special = out >= _F16_LIMIT
+    if special.any():
+        np.bitwise_or(u, np.uint32(0x7F800000), out=u, where=special)
+    sign <<= np.uint32(16)
+    u |= sign
+
+
+def float32_to_float16_bits(values: np.ndarray, out: np.ndarray) -> None:
+    """Round float32 to float16 (nearest, ties to even) into uint16 `out`."""
+    bits = values.view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    odd = magnitude >> np.uint32(13)
+    odd &= np.uint32(1)
+    rounded = magnitude + np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)
+    rounded += odd
+    rounded >>= np.uint32(13)
+    np.copyto(out, rounded, casting="unsafe")
+    small = magnitude < np.uint32(113 << 23)  # float16 subnormal or zero
+    if small.any():
+        # Adding a magic float aligns the 10 mantissa bits at the bottom; the
+        # float32 addition itself rounds to nearest even.
+        with np.errstate(all="ignore"):  # NaN bit patterns among the rest
+            tiny = magnitude.view(np.float32) + _DENORM_MAGIC
+        tiny_bits = tiny.view(np.uint32)
+        tiny_bits -= _DENORM_MAGIC_BITS
+        np.copyto(out, tiny_bits, casting="unsafe", where=small)
+    large = magnitude >= np.uint32((127 + 16) << 23)  # overflow, inf, NaN
+    if large.any():
+        nan = magnitude > np.uint32(0x7F800000)
+        np.copyto(out, np.uint16(0x7C00), where=large)
+        np.copyto(out, np.uint16(0x7E00), where=nan)
+    sign = bits >> np.uint32(16)
+    sign &= np.uint32(0x8000)
+    out |= sign.astype(np.uint16)
+
+
 def bfloat16_bits_from_float32(values: np.ndarray) -> np.ndarray:
     """Round float32 values to bfloat16, nearest-even; returns the uint16 bits.
 
@@ -76,6 +140,11 @@ def to_wire(values: np.ndarray, dtype: int) -> np.ndarray:
     """Convert a flat float array to its wire representation (a new array)."""
     if dtype == pb.DTYPE_BFLOAT16:
         return bfloat16_bits_from_float32(values)
+    if dtype == pb.DTYPE_FLOAT16 and values.dtype == np.float32:
+        flat = np.ascontiguousarray(values).reshape(-1)
+        out = np.empty(flat.size, dtype=np.uint16)
+        float32_to_float16_bits(flat, out)
+        return out.view(np.float16).reshape(np.shape(values))
     return np.asarray(values, dtype=wire_numpy_dtype(dtype)).copy()
 
 
@@ -95,6 +164,13 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
         else:
             widened = raw.astype(np.uint32) << 16
             np.copyto(out, widened.view(np.float32), casting="unsafe")
+    elif dtype == pb.DTYPE_FLOAT16 and out.dtype != np.float16:
+        if out.dtype == np.float32 and out.flags.c_contiguous:
+            float16_bits_to_float32(raw.view(np.uint16), out)
+        else:
+            widened = np.empty(raw.size, dtype=np.float32)
+            float16_bits_to_float32(raw.view(np.uint16), widened)
+            np.copyto(out, widened, casting="unsafe")
     else:
         np.copyto(out, raw, casting="unsafe")
 
@@ -108,13 +184,12 @@ def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
                   scratch: np.ndarray | None = None) -> None:
     """Add one contribution to the float32 accumulator, in place.
 
-    float16 and float32 add straight from the wire buffer (NumPy's ufunc
-    buffering widens float16 in small blocks, no full-size temporary).
-    bfloat16 is widened into `scratch` (a reusable float32 buffer of at least
-    acc.size elements) when given, else into a temporary.
+    float32 adds straight from the wire buffer. float16 and bfloat16 are
+    widened into `scratch` (a reusable float32 buffer of at least acc.size
+    elements) when given, else into a temporary, then added.
     """
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
-    if dtype == pb.DTYPE_BFLOAT16:
+    if dtype != pb.DTYPE_FLOAT32:
         tmp = scratch[: acc.size] if scratch is not None else np.empty_like(acc)
         from_wire(raw, dtype, tmp)
         np.add(acc, tmp, out=acc)

@@ -81,3 +81,32 @@ def test_add_accumulates_in_float32(dtype):
         wire.add_wire_into(acc, one, dtype, scratch)
     assert acc.tolist() == [2058.0] * 4
     assert np.float16(2048) + np.float16(1) == np.float16(2048)  # what a float16 ring does
+
+
+def test_float16_widening_matches_numpy_for_every_value():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(bits.size, dtype=np.float32)
+    wire.float16_bits_to_float32(bits, got)
+    expected = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all()
+
+
+def test_float16_narrowing_matches_numpy_bit_for_bit():
+    rng = np.random.default_rng(5)
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    finite = every_half[np.isfinite(every_half)]
+    halfway = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    cases = np.concatenate([
+        rng.integers(0, 1 << 32, 2_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        every_half, halfway, (rng.standard_normal(200_000) * 1e-5).astype(np.float32),
+        np.array([65504, 65519.99, 65520, 65536, 1e9, -1e9, 2.98e-8, 2.9802322e-08],
+                 dtype=np.float32)])
+    got = np.empty(cases.size, dtype=np.uint16)
+    wire.float32_to_float16_bits(cases, got)
+    with np.errstate(all="ignore"):
+        expected = cases.astype(np.float16).view(np.uint16)
+    nan = np.isnan(cases)
+    assert np.array_equal(got[~nan], expected[~nan])
+    assert np.isnan(got[nan].view(np.float16)).all()
