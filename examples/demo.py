@@ -1,16 +1,19 @@
 """make demo: 2 reducer daemons on 127.0.0.1, 2 workers training a small model.
 
-Each worker holds half of a synthetic classification data set and trains a
-small two-layer network written in NumPy; after every backward pass the flat
-gradient is averaged through the daemons with ReducerClient (float16 on the
-wire), exactly as a framework shim would do it. Rank 0 prints the loss every
-few steps and, at the end, the reduction throughput. Everything it starts is
-stopped before it exits.
+With PyTorch installed (the .venv of `make demo` has it), the workers run
+examples/train_torch.py: a small network trained with
+reducer_client.torch.DistributedOptimizer, gradients averaged through the
+daemons in float16. Without PyTorch (or with --numpy) each worker trains the
+same kind of network written in NumPy and averages its flat gradient with
+ReducerClient directly. Rank 0 prints the loss every few steps and the
+reduction throughput. Everything the demo starts is stopped before it exits.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
+import os
 import re
 import subprocess
 import sys
@@ -92,10 +95,23 @@ def worker(rank: int, addresses: list[str], report: mp.Queue) -> None:
     report.put((rank, reduce_s, reduced_bytes, float(np.abs(w1).sum() + np.abs(w2).sum())))
 
 
+def run_torch_workers(addresses: list[str]) -> int:
+    script = Path(__file__).resolve().parent / "train_torch.py"
+    env = {**os.environ, "REDUCER_ADDRESSES": ",".join(addresses), "REDUCER_JOB": "demo",
+           "REDUCER_WIRE_DTYPE": "float16", "OMP_NUM_THREADS": "1"}
+    print(f"daemons: {', '.join(addresses)}; {WORKERS} PyTorch workers "
+          "(reducer_client.torch.DistributedOptimizer), float16 wire", flush=True)
+    return subprocess.run([sys.executable, str(script), "--workers", str(WORKERS),
+                           "--steps", "60"], env=env, timeout=600).returncode
+
+
 def main() -> int:
+    use_torch = "--numpy" not in sys.argv and importlib.util.find_spec("torch") is not None
     with tempfile.TemporaryDirectory(prefix="reducerd-demo-") as tmp:
         procs, addresses = start_daemons(Path(tmp))
         try:
+            if use_torch:
+                return run_torch_workers(addresses)
             print(f"daemons: {', '.join(addresses)}; {WORKERS} workers, "
                   f"{FEATURES * HIDDEN + HIDDEN * CLASSES:,} parameters, float16 wire")
             ctx = mp.get_context("spawn")
