@@ -117,34 +117,30 @@ def _put_varint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
+def _put_fields(out: bytearray, fields: tuple[tuple[int, int | str], ...]) -> None:
+    """Append non-default varint and string fields, as protobuf omits defaults."""
+    for number, value in fields:
+        if isinstance(value, str):
+            if value:
+                raw = value.encode("utf-8")
+                _put_varint(out, number << 3 | 2)
+                _put_varint(out, len(raw))
+                out += raw
+        elif value:
+            _put_varint(out, number << 3)
+            _put_varint(out, value & _U64)
+
+
 def encode_shard(*, job: str, key: str, rank: int = 0, world_size: int = 0, round: int = 0,
                  offset: int = 0, dtype: int = 0, op: int = 0,
                  data: bytes | memoryview = b"", error_code: int = 0,
                  error_message: str = "", layout: int = 0) -> bytes:
-    """Serialize a Shard exactly as the generated code does (default fields omitted)."""
+    """Serialize a Shard exactly as the generated code does (fields in number order)."""
     head = bytearray()
-    for number, value in ((1, job), (2, rank), (3, world_size), (4, round), (5, key),
-                          (6, offset), (7, dtype), (8, op)):
-        if isinstance(value, str):
-            if value:
-                raw = value.encode("utf-8")
-                _put_varint(head, number << 3 | 2)
-                _put_varint(head, len(raw))
-                head += raw
-        elif value:
-            _put_varint(head, number << 3)
-            _put_varint(head, value & _U64)
+    _put_fields(head, ((1, job), (2, rank), (3, world_size), (4, round), (5, key),
+                       (6, offset), (7, dtype), (8, op)))
     tail = bytearray()
-    for number, value in ((10, error_code), (11, error_message), (12, layout)):
-        if isinstance(value, str):
-            if value:
-                raw = value.encode("utf-8")
-                _put_varint(tail, number << 3 | 2)
-                _put_varint(tail, len(raw))
-                tail += raw
-        elif value:
-            _put_varint(tail, number << 3)
-            _put_varint(tail, value & _U64)
+    _put_fields(tail, ((10, error_code), (11, error_message), (12, layout)))
     if len(data):
         _put_varint(head, 9 << 3 | 2)
         _put_varint(head, memoryview(data).nbytes)
