@@ -46,7 +46,6 @@ Trainer calls pushpull once per parameter.
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -58,8 +57,8 @@ import numpy as np
 from mxnet import gluon
 from mxnet.kvstore import KVStoreBase
 
+from reducer_client import process
 from reducer_client.api import Reducer as ReducerBackend
-from reducer_client.client import ReducerClient
 from reducer_client.errors import ReducerError
 
 __all__ = ["Reducer", "DistributedTrainer", "init", "shutdown", "client",
@@ -73,48 +72,29 @@ DEFAULT_FUSION_BYTES = 4 << 20
 # itself; this bound only catches a client that does not.
 _WAIT_MARGIN_S = 5.0
 
-# The process-wide client behind mx.kv.create("reducer"); _client_lock guards
-# it and is taken by callers of init(), shutdown() and client().
-_client_lock = threading.Lock()
-_client: ReducerBackend | None = None
+_SHIM = "reducer_client.mxnet"
 
 
 def init(backend: ReducerBackend | None = None, **client_kwargs: Any) -> ReducerBackend:
     """Set the client that mx.kv.create("reducer") uses, and return it.
 
-    With no arguments the client comes from the environment
-    (ReducerClient.from_env); keyword arguments build a ReducerClient;
-    `backend` may be any reducer_client.api.Reducer (e.g. a LocalGroup client
-    in tests). A previous client set here is closed.
+    With no arguments an existing client is kept, else one comes from the
+    environment (ReducerClient.from_env); keyword arguments build a
+    ReducerClient; `backend` may be any reducer_client.api.Reducer (e.g. a
+    LocalGroup client in tests). The client is reducer_client.process's, shared
+    with the other shims; one replaced by arguments is closed.
     """
-    global _client
     if backend is not None and client_kwargs:
         raise ValueError("init: give either a backend or ReducerClient keyword arguments")
-    if backend is None:
-        backend = ReducerClient(**client_kwargs) if client_kwargs else ReducerClient.from_env()
-    with _client_lock:
-        previous, _client = _client, backend
-    if previous is not None and previous is not backend:
-        previous.close()
-    return backend
+    return process.init(backend, **client_kwargs)
 
 
 def client() -> ReducerBackend:
     """The process-wide client, created from the environment on first use."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            _client = ReducerClient.from_env()
-        return _client
+    return process.client(_SHIM, create=True)
 
 
-def shutdown() -> None:
-    """Close the process-wide client; the next store makes a new one."""
-    global _client
-    with _client_lock:
-        previous, _client = _client, None
-    if previous is not None:
-        previous.close()
+shutdown = process.shutdown
 
 
 # -- conversion and fusion (NumPy only) -----------------------------------------

@@ -33,9 +33,7 @@ sends:
 
 from __future__ import annotations
 
-import atexit
 import functools
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,8 +41,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from reducer_client import process
 from reducer_client.api import Reducer
-from reducer_client.client import ReducerClient
 
 __all__ = ["init", "client", "shutdown", "rank", "size", "allreduce", "broadcast",
            "broadcast_variables", "DistributedOptimizer", "DistributedGradientTape",
@@ -52,62 +50,31 @@ __all__ = ["init", "client", "shutdown", "rank", "size", "allreduce", "broadcast
 
 _OPS = ("sum", "mean")
 
-# -- the process-wide client of init() ---------------------------------------
-# The one piece of global state in this module. _state_lock guards _reducer;
-# init()/shutdown() take it from the user's thread, client() from whichever
-# thread runs a reduction (TensorFlow's inter-op threads in graph mode).
-_state_lock = threading.Lock()
-_reducer: Reducer | None = None
-_atexit_registered = False
+# -- the process-wide client of init(): reducer_client.process --------------
+
+_SHIM = "reducer_client.tensorflow"
 
 
 def init(reducer: Reducer | None = None, **client_kwargs: Any) -> Reducer:
     """Set the process-wide reducer that every function here uses by default.
 
-    With no argument: ReducerClient.from_env() (REDUCER_ADDRESSES, REDUCER_JOB,
-    rank and world size from REDUCER_RANK / REDUCER_WORLD_SIZE or TF_CONFIG...).
-    Keyword arguments are ReducerClient's: given addresses, rank and world_size
-    they build the client directly, otherwise they override the environment.
-    `reducer` installs any implementation of reducer_client.api.Reducer (a
-    LocalGroup client in tests). Calling init() again replaces and closes the
-    previous client; init() with no arguments keeps an existing one.
+    With no argument: keep the client already set, else
+    ReducerClient.from_env() (REDUCER_ADDRESSES, REDUCER_JOB, rank and world
+    size from REDUCER_RANK / REDUCER_WORLD_SIZE or TF_CONFIG...). Keyword
+    arguments are ReducerClient's: given addresses, rank and world_size they
+    build the client directly, otherwise they override the environment.
+    `reducer` installs any reducer_client.api.Reducer (a LocalGroup client in
+    tests). A client replaced by arguments is closed.
     """
-    global _reducer, _atexit_registered
-    if reducer is None:
-        with _state_lock:
-            if _reducer is not None and not client_kwargs:
-                return _reducer
-        if {"addresses", "rank", "world_size"} <= client_kwargs.keys():
-            reducer = ReducerClient(**{"job": "default", **client_kwargs})
-        else:
-            reducer = ReducerClient.from_env(**client_kwargs)
-    with _state_lock:
-        previous, _reducer = _reducer, reducer
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _atexit_registered = True
-    if previous is not None and previous is not reducer:
-        previous.close()
-    return reducer
+    return process.init(reducer, **client_kwargs)
 
 
 def client() -> Reducer:
     """The process-wide reducer; RuntimeError if init() was not called."""
-    with _state_lock:
-        reducer = _reducer
-    if reducer is None:
-        raise RuntimeError("reducer_client.tensorflow is not initialised: call "
-                           "reducer_client.tensorflow.init() first")
-    return reducer
+    return process.client(_SHIM)
 
 
-def shutdown() -> None:
-    """Close the process-wide client (also run at interpreter exit)."""
-    global _reducer
-    with _state_lock:
-        reducer, _reducer = _reducer, None
-    if reducer is not None:
-        reducer.close()
+shutdown = process.shutdown
 
 
 def rank() -> int:

@@ -2,7 +2,8 @@
 
 Also the per-Reducer counters behind default names.
 
-This module is the one place that holds it. Every other function of the shim
+The client itself lives in reducer_client.process, shared by every shim.
+Every other function of the shim
 takes the Reducer to use as an explicit `reducer=` argument and falls back to
 this one only when that is None, so tests and programs with several jobs can
 pass their own.
@@ -16,50 +17,30 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from reducer_client import process
 from reducer_client.api import Reducer
-from reducer_client.client import ReducerClient
 
 __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "resolve",
            "next_index"]
 
-# _lock guards _client; taken by whichever thread calls init/client/shutdown.
-_lock = threading.Lock()
-_client: Reducer | None = None
+_SHIM = "reducer_client.torch"
 
 
 def init(reducer: Reducer | None = None, **client_kwargs: Any) -> Reducer:
-    """Create the process-wide client (once) and return it.
+    """Set the process-wide client (reducer_client.process.init) and return it.
 
-    With no arguments the client is built from the environment
-    (ReducerClient.from_env: REDUCER_ADDRESSES, REDUCER_JOB, rank and world
-    size from REDUCER_RANK / REDUCER_WORLD_SIZE or torchrun's RANK /
-    WORLD_SIZE). Keyword arguments are ReducerClient's; when `addresses`,
-    `rank` and `world_size` are all given the environment is not read,
-    otherwise they override what it says. `reducer` installs a ready Reducer
-    instead (a LocalGroup client in tests, say). Calling init again after a
-    successful init returns the existing client unchanged, as Horovod does;
-    call shutdown() first to replace it.
+    With no arguments an existing client is kept, else one is built from the
+    environment (REDUCER_ADDRESSES, REDUCER_JOB, rank and world size from
+    REDUCER_RANK / REDUCER_WORLD_SIZE or torchrun's RANK / WORLD_SIZE).
+    Keyword arguments are ReducerClient's; `reducer` installs a ready Reducer
+    (a LocalGroup client in tests).
     """
-    global _client
-    with _lock:
-        if _client is not None:
-            return _client
-        if reducer is None:
-            if {"addresses", "rank", "world_size"} <= client_kwargs.keys():
-                reducer = ReducerClient(**client_kwargs)
-            else:
-                reducer = ReducerClient.from_env(**client_kwargs)
-        _client = reducer
-        return reducer
+    return process.init(reducer, **client_kwargs)
 
 
 def client() -> Reducer:
     """The process-wide client; raises if init() has not been called."""
-    with _lock:
-        if _client is None:
-            raise RuntimeError("reducer_client.torch is not initialised: call "
-                               "reducer_client.torch.init() first")
-        return _client
+    return process.client(_SHIM)
 
 
 def resolve(reducer: Reducer | None) -> Reducer:
@@ -67,18 +48,8 @@ def resolve(reducer: Reducer | None) -> Reducer:
     return reducer if reducer is not None else client()
 
 
-def is_initialized() -> bool:
-    with _lock:
-        return _client is not None
-
-
-def shutdown() -> None:
-    """Close the process-wide client (open reductions fail) and forget it."""
-    global _client
-    with _lock:
-        reducer, _client = _client, None
-    if reducer is not None:
-        reducer.close()
+is_initialized = process.is_initialized
+shutdown = process.shutdown
 
 
 def rank() -> int:
