@@ -58,6 +58,15 @@ class LocalGroup:
             fut.set_result(np.asarray(total, dtype=dtype).reshape(shape))
 
 
+def _expire(future: Future, key: str, round_: int, rank: int, timeout: float) -> None:
+    try:
+        future.set_exception(ReducerError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"key {key!r} round {round_}: no result within {timeout:g} s (rank {rank})"))
+    except Exception:  # completed meanwhile (InvalidStateError)
+        pass
+
+
 class LocalClient:
     """One fake rank; implements reducer_client.api.Reducer."""
 
@@ -66,6 +75,7 @@ class LocalClient:
         self.rank = rank
         self.world_size = group.world_size
         self.timeout = group.timeout
+        self.wire_dtype = "float32"  # LocalGroup sums in float64, rounds once
         self._rounds: dict[str, int] = {}
 
     def _next_round(self, key: str) -> int:
@@ -76,7 +86,14 @@ class LocalClient:
     def allreduce_async(self, array, key, op="sum") -> Future:
         future: Future = Future()
         array = np.array(array, copy=True)
-        self.group._contribute(key, self._next_round(key), self.rank, array, op, future)
+        round_ = self._next_round(key)
+        self.group._contribute(key, round_, self.rank, array, op, future)
+        if not future.done():  # as the real client: nothing waits past the timeout
+            timer = threading.Timer(self.timeout, _expire, (future, key, round_, self.rank,
+                                                            self.timeout))
+            timer.daemon = True
+            timer.start()
+            future.add_done_callback(lambda _: timer.cancel())
         return future
 
     def allreduce(self, array, key, op="sum"):

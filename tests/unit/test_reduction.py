@@ -175,3 +175,16 @@ def test_idle_jobs_are_forgotten():
     clock.now = 3601.0
     table.expire()
     assert "job" not in table.jobs
+
+
+def test_local_group_fails_a_round_that_never_completes_after_its_timeout():
+    import grpc
+
+    from reducer_client import ReducerError
+    from reducer_client.testing import LocalGroup
+
+    group = LocalGroup(world_size=2, timeout=0.2)
+    future = group.client(0).allreduce_async(np.ones(3), key="k")
+    with pytest.raises(ReducerError) as info:
+        future.result(timeout=5)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
