@@ -26,7 +26,6 @@ sys.path[:0] = [str(ROOT / "tests" / "helpers"), str(ROOT / "tests" / "integrati
 
 def worker(rank: int, world_size: int, addresses: list[str], numel: int) -> bytes | None:
     from core_cases import make_input
-
     from reducer_client import ReducerClient
 
     with ReducerClient(addresses, job="fp16-error", rank=rank, world_size=world_size,
