@@ -30,6 +30,12 @@ class Reducer(Protocol):
     - broadcast returns root_rank's values exactly for float32 data.
     - Failures surface as reducer_client.ReducerError (from the future's
       result() for the async forms); nothing waits longer than `timeout`.
+    - rank and world_size count workers, never nodes: ReducerClient may
+      reduce within a host first (node-local aggregation, on by default when
+      several workers share one), which changes what the daemons see but not
+      results, op semantics or call order. A shim only passes the launcher's
+      local rank and size through (ReducerClient(local_rank=, local_size=) or
+      REDUCER_LOCAL_RANK / REDUCER_LOCAL_SIZE; torchrun's are read already).
     """
 
     rank: int

@@ -16,10 +16,12 @@ import numpy as np
 
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client.env import settings_from_env
+from reducer_client.env import local_settings_from_env, settings_from_env
 from reducer_client.errors import ReducerError
 from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, layout_fingerprint, plan_chunks
 from reducer_client.link import DaemonLink
+from reducer_client.node import NodeGroup
+from reducer_client.node_layout import node_topology
 from reducer_client.tls import TLSConfig, channel_credentials
 
 __all__ = ["ReducerClient"]
@@ -98,12 +100,23 @@ class ReducerClient:
 
     token: sent as `authorization: Bearer <token>`. tls: True for TLS with the
     system's roots, or a TLSConfig (own CA, client certificate for mutual TLS).
+
+    Node-local aggregation (node.py): when local_size > 1 workers share this
+    host, they reduce together through shared memory and the node sends the
+    model once; the daemons see one contribution per node. local_rank and
+    local_size default to REDUCER_LOCAL_RANK / REDUCER_LOCAL_SIZE, else
+    torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, else one worker per node. Ranks
+    must be node-major (node = rank // local_size) unless node_rank (default
+    REDUCER_NODE_RANK) names the node. node_local=False (or
+    REDUCER_NODE_LOCAL=0) turns it off. rank and world_size stay the worker's.
     """
 
     def __init__(self, addresses: Sequence[str], job: str, rank: int, world_size: int,
                  wire_dtype: str = "float16", timeout: float = 60.0,
                  token: str | None = None, chunk_bytes: int | None = None,
-                 tls: TLSConfig | bool | None = None) -> None:
+                 tls: TLSConfig | bool | None = None, *, local_rank: int | None = None,
+                 local_size: int | None = None, node_local: bool | None = None,
+                 node_rank: int | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
         if not addresses:
@@ -143,15 +156,41 @@ class ReducerClient:
         self._ids = itertools.count()
         self._closed = False
         self._wake = threading.Event()
+        self._node = self._node_group(local_rank, local_size, node_local, node_rank)
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name="reducer-watchdog")
         self._watchdog.start()
+
+    def _node_group(self, local_rank: int | None, local_size: int | None,
+                    node_local: bool | None, node_rank: int | None) -> NodeGroup | None:
+        """Join this host's node-local aggregation, unless it is off or L = 1."""
+        env = local_settings_from_env()  # only for what the caller left out
+        if (local_rank is None) != (local_size is None):
+            raise ValueError("give local_rank and local_size together")
+        if local_rank is None or local_size is None:
+            local_rank, local_size = env.get("local_rank", 0), env.get("local_size", 1)
+        node_rank = env.get("node_rank") if node_rank is None else node_rank
+        node_local = env.get("node_local", True) if node_local is None else node_local
+        self.local_rank, self.local_size = local_rank, local_size
+        if not node_local or local_size == 1:
+            return None
+        try:
+            topology = node_topology(self.rank, self.world_size, local_rank, local_size,
+                                     node_rank)
+            return NodeGroup(self.job, topology, self.timeout, self._send_slice)
+        except BaseException:
+            for link in self._links:
+                link.close()
+            raise
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any,
                  ) -> ReducerClient:
         """Build a client from REDUCER_* variables or the launcher's own (see env.py)."""
         settings = settings_from_env(environ)
+        if environ is not None:  # this mapping only: no fallback to os.environ
+            settings.setdefault("local_rank", 0)
+            settings.setdefault("local_size", 1)
         settings.update(overrides)
         return cls(**settings)
 
@@ -199,6 +238,8 @@ class ReducerClient:
         for operation in active:
             operation.fail(ReducerError(grpc.StatusCode.CANCELLED, "client closed"))
         self._wake.set()
+        if self._node is not None:
+            self._node.close()
         for link in self._links:
             link.close()
 
@@ -224,35 +265,62 @@ class ReducerClient:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
             round_ = self._rounds[key]
             self._rounds[key] = round_ + 1
-        if root_rank is not None and root_rank != self.rank:
+        contributes = root_rank is None or root_rank == self.rank
+        if self._node is not None:
+            return self._node.reduce(flat if contributes else None, array.shape,
+                                     array.dtype, key, round_, dtype, op, root_rank)
+        if not contributes:
             flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
         out = np.empty(flat.size, dtype=array.dtype)
         chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
                              self.chunk_bytes, key)
-        operation = _Operation(self, key, round_, out, array.shape, dtype, chunks,
+        return self._send_chunks(wire.to_wire(flat, dtype), 0, out, array.shape, key,
+                                 round_, dtype, op, chunks, self.rank,
+                                 self.world_size).future
+
+    def _send_slice(self, values: np.ndarray, start: int, out: np.ndarray, key: str,
+                    round_: int, dtype: int, op: int) -> _Operation:
+        """Send this node's reduced slice (elements start.. of key) as the node.
+
+        The daemons see rank = node index, world_size = number of nodes; the
+        reduced slice lands in out[start:start + values.size].
+        """
+        assert self._node is not None
+        chunks = [Chunk(start + c.offset, c.numel, c.daemon) for c in plan_chunks(
+            values.size, wire.wire_itemsize(dtype), len(self._links), self.chunk_bytes,
+            f"{key}#{start}")]
+        topology = self._node.topology
+        return self._send_chunks(wire.to_wire(values, dtype), start, out, out.shape, key,
+                                 round_, dtype, op, chunks, topology.node, topology.nodes)
+
+    def _send_chunks(self, encoded: np.ndarray, base: int, out: np.ndarray,
+                     shape: tuple[int, ...], key: str, round_: int, dtype: int, op: int,
+                     chunks: Sequence[Chunk], rank: int, world_size: int) -> _Operation:
+        """Send encoded[c.offset - base:] for every chunk c; replies fill out[c.offset:]."""
+        operation = _Operation(self, key, round_, out, shape, dtype, chunks,
                                time.monotonic() + self.timeout)
         if not chunks:
-            operation.future.set_result(out.reshape(array.shape))
-            return operation.future
+            operation.future.set_result(out.reshape(shape))
+            return operation
         with self._lock:
             self._active[id(operation)] = operation
-        encoded = wire.to_wire(flat, dtype)
         per_link: dict[int, tuple[list[pb.Shard], list]] = defaultdict(lambda: ([], []))
         for chunk in chunks:
             shards, handlers = per_link[chunk.daemon]
+            begin = chunk.offset - base
             shards.append(pb.Shard(
-                job=self.job, rank=self.rank, world_size=self.world_size, round=round_,
+                job=self.job, rank=rank, world_size=world_size, round=round_,
                 key=key, offset=chunk.offset, dtype=pb.DType.ValueType(dtype),
                 op=pb.ReduceOp.ValueType(op),
                 layout=self._layouts[chunk.daemon],
-                data=encoded[chunk.offset:chunk.offset + chunk.numel].tobytes()))
+                data=encoded[begin:begin + chunk.numel].tobytes()))
             handlers.append(operation.handler(chunk))
         try:
             for daemon, (shards, handlers) in per_link.items():
                 self._links[daemon].send(shards, handlers)
         except ReducerError as exc:
             operation.fail(exc)
-        return operation.future
+        return operation
 
     def _retire(self, operation: _Operation) -> None:
         with self._lock:
@@ -270,6 +338,8 @@ class ReducerClient:
         """Fail operations past their deadline, so nothing waits for ever."""
         while not self._wake.wait(0.1):
             now = time.monotonic()
+            if self._node is not None:
+                self._node.check_deadlines(now)
             with self._lock:
                 late = [op for op in self._active.values() if op.deadline_s <= now]
             for operation in late:

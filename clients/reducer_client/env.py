@@ -7,6 +7,15 @@ REDUCER_TLS_KEY / REDUCER_TLS_SERVER_NAME (files, name override); rank and
 world size from REDUCER_RANK / REDUCER_WORLD_SIZE, else the launcher's own:
 torchrun (RANK / WORLD_SIZE), TensorFlow (TF_CONFIG), MXNet / ps-lite
 (DMLC_WORKER_ID / DMLC_NUM_WORKER).
+
+Node-local aggregation (node.py): the worker's place on its host from
+REDUCER_LOCAL_RANK / REDUCER_LOCAL_SIZE, else torchrun's LOCAL_RANK /
+LOCAL_WORLD_SIZE; neither set means one worker per host. Other launchers have
+no such pair (TF_CONFIG, DMLC_*) or name it their own way: set the REDUCER_
+pair, e.g. from Open MPI's OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE, or
+SLURM_LOCALID / SLURM_NTASKS_PER_NODE. Ranks are assumed node-major (node =
+rank // local size, torchrun's default); REDUCER_NODE_RANK names the node
+otherwise. REDUCER_NODE_LOCAL=0 turns node-local aggregation off.
 """
 
 from __future__ import annotations
@@ -16,7 +25,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["settings_from_env", "rank_and_size_from_env"]
+__all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env"]
+
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -50,6 +62,26 @@ def rank_and_size_from_env(environ: Mapping[str, str]) -> tuple[int, int]:
                      "(or run under torchrun, TF_CONFIG or DMLC_* variables)")
 
 
+def local_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """local_rank, local_size, node_rank and node_local, for those that are set."""
+    environ = os.environ if environ is None else environ
+    settings: dict[str, Any] = {}
+    for rank_var, size_var in (("REDUCER_LOCAL_RANK", "REDUCER_LOCAL_SIZE"),
+                               ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank_var in environ and size_var in environ:
+            settings["local_rank"] = _int(environ, rank_var)
+            settings["local_size"] = _int(environ, size_var)
+            break
+    if environ.get("REDUCER_NODE_RANK"):
+        settings["node_rank"] = _int(environ, "REDUCER_NODE_RANK")
+    switch = environ.get("REDUCER_NODE_LOCAL", "").strip().lower()
+    if switch:
+        if switch not in _FALSE + _TRUE:
+            raise ValueError(f"REDUCER_NODE_LOCAL={switch!r}: use 1 or 0")
+        settings["node_local"] = switch in _TRUE
+    return settings
+
+
 def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """ReducerClient keyword arguments from the environment."""
     environ = os.environ if environ is None else environ
@@ -81,4 +113,5 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         settings["tls"] = TLSConfig(**tls_files)
     elif environ.get("REDUCER_TLS", "").lower() in ("1", "true", "yes"):
         settings["tls"] = True
+    settings.update(local_settings_from_env(environ))
     return settings
