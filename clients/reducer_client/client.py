@@ -20,6 +20,7 @@ from reducer_client.env import settings_from_env
 from reducer_client.errors import ReducerError
 from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, layout_fingerprint, plan_chunks
 from reducer_client.link import DaemonLink
+from reducer_client.shardcodec import ShardView, encode_shard
 from reducer_client.tls import TLSConfig, channel_credentials
 
 __all__ = ["ReducerClient"]
@@ -48,7 +49,7 @@ class _Operation:
         self._lock = threading.Lock()
 
     def handler(self, chunk: Chunk):
-        def on_reply(reply: pb.Shard | None, error: ReducerError | None) -> None:
+        def on_reply(reply: ShardView | None, error: ReducerError | None) -> None:
             if error is not None:
                 self.fail(error)
                 return
@@ -236,20 +237,22 @@ class ReducerClient:
             return operation.future
         with self._lock:
             self._active[id(operation)] = operation
-        encoded = wire.to_wire(flat, dtype)
-        per_link: dict[int, tuple[list[pb.Shard], list]] = defaultdict(lambda: ([], []))
+        encoded = memoryview(wire.to_wire(flat, dtype).view(np.uint8))
+        itemsize = wire.wire_itemsize(dtype)
+        per_link: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
         for chunk in chunks:
-            shards, handlers = per_link[chunk.daemon]
-            shards.append(pb.Shard(
+            requests, handlers = per_link[chunk.daemon]
+            start = chunk.offset * itemsize
+            message = encode_shard(
                 job=self.job, rank=self.rank, world_size=self.world_size, round=round_,
-                key=key, offset=chunk.offset, dtype=pb.DType.ValueType(dtype),
-                op=pb.ReduceOp.ValueType(op),
+                key=key, offset=chunk.offset, dtype=dtype, op=op,
                 layout=self._layouts[chunk.daemon],
-                data=encoded[chunk.offset:chunk.offset + chunk.numel].tobytes()))
+                data=encoded[start:start + chunk.numel * itemsize])
+            requests.append(((key, round_, chunk.offset), message))
             handlers.append(operation.handler(chunk))
         try:
-            for daemon, (shards, handlers) in per_link.items():
-                self._links[daemon].send(shards, handlers)
+            for daemon, (requests, handlers) in per_link.items():
+                self._links[daemon].send(requests, handlers)
         except ReducerError as exc:
             operation.fail(exc)
         return operation.future
