@@ -22,6 +22,7 @@ from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, layout_fingerprint
 from reducer_client.link import DaemonLink
 from reducer_client.node import NodeGroup
 from reducer_client.node_layout import node_topology
+from reducer_client.shardcodec import ShardView, encode_shard
 from reducer_client.tls import TLSConfig, channel_credentials
 
 __all__ = ["ReducerClient"]
@@ -50,7 +51,7 @@ class _Operation:
         self._lock = threading.Lock()
 
     def handler(self, chunk: Chunk):
-        def on_reply(reply: pb.Shard | None, error: ReducerError | None) -> None:
+        def on_reply(reply: ShardView | None, error: ReducerError | None) -> None:
             if error is not None:
                 self.fail(error)
                 return
@@ -304,20 +305,22 @@ class ReducerClient:
             return operation
         with self._lock:
             self._active[id(operation)] = operation
-        per_link: dict[int, tuple[list[pb.Shard], list]] = defaultdict(lambda: ([], []))
+        view = memoryview(np.ascontiguousarray(encoded).view(np.uint8))  # type: ignore[arg-type]
+        itemsize = wire.wire_itemsize(dtype)
+        per_link: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
         for chunk in chunks:
-            shards, handlers = per_link[chunk.daemon]
-            begin = chunk.offset - base
-            shards.append(pb.Shard(
+            requests, handlers = per_link[chunk.daemon]
+            begin = (chunk.offset - base) * itemsize
+            message = encode_shard(
                 job=self.job, rank=rank, world_size=world_size, round=round_,
-                key=key, offset=chunk.offset, dtype=pb.DType.ValueType(dtype),
-                op=pb.ReduceOp.ValueType(op),
+                key=key, offset=chunk.offset, dtype=dtype, op=op,
                 layout=self._layouts[chunk.daemon],
-                data=encoded[begin:begin + chunk.numel].tobytes()))
+                data=view[begin:begin + chunk.numel * itemsize])
+            requests.append(((key, round_, chunk.offset), message))
             handlers.append(operation.handler(chunk))
         try:
-            for daemon, (shards, handlers) in per_link.items():
-                self._links[daemon].send(shards, handlers)
+            for daemon, (requests, handlers) in per_link.items():
+                self._links[daemon].send(requests, handlers)
         except ReducerError as exc:
             operation.fail(exc)
         return operation

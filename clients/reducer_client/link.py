@@ -26,9 +26,8 @@ from typing import Any
 
 import grpc
 
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from reducer_client.errors import ReducerError
+from reducer_client.shardcodec import ShardView, decode_shard
 
 __all__ = ["DaemonLink", "ReplyHandler", "status_code_from_value"]
 
@@ -37,7 +36,8 @@ log = logging.getLogger("reducer_client")
 # (key, round, offset): how a reply finds the chunk that waits for it.
 PendingKey = tuple[str, int, int]
 # Called on the reader thread with the reply, or with None and an error.
-ReplyHandler = Callable[[pb.Shard | None, ReducerError | None], None]
+ReplyHandler = Callable[[ShardView | None, ReducerError | None], None]
+_REDUCE_METHOD = "/reducer.v1.Reducer/Reduce"
 
 _CLOSE = object()
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -70,34 +70,39 @@ class DaemonLink:
         options = [*_CHANNEL_OPTIONS, *extra_options]
         self._channel = (grpc.secure_channel(address, credentials, options) if credentials
                          else grpc.insecure_channel(address, options))
-        self._stub = pb_grpc.ReducerStub(self._channel)
+        # Requests go out as bytes made by shardcodec.encode_shard and replies
+        # come back as ShardViews whose data is a view into the message:
+        # no protobuf copies of the data on either way.
+        self._reduce = self._channel.stream_stream(_REDUCE_METHOD,
+                                                   response_deserializer=decode_shard)
         self._metadata = (*metadata, ("reducer-errors", "inband"))
         # Why the last stream failed, or None once a reply came back since.
         self.last_error: ReducerError | None = None
         # _lock guards _pending, _completed, _outbox, _retries and _closed; taken
         # by callers of send() and by the reader thread. Handlers run outside it.
         self._lock = threading.Lock()
-        self._pending: dict[PendingKey, tuple[ReplyHandler, pb.Shard]] = {}
+        self._pending: dict[PendingKey, tuple[ReplyHandler, bytes]] = {}
         # (key, offset) -> our contribution to the last completed round.
-        self._completed: dict[tuple[str, int], pb.Shard] = {}
+        self._completed: dict[tuple[str, int], bytes] = {}
         self._outbox: queue.SimpleQueue[Any] | None = None
         self._retries = 0
         self._streams_opened = 0
         self.reconnects = 0
         self._closed = False
 
-    def send(self, shards: Sequence[pb.Shard], handlers: Sequence[ReplyHandler]) -> None:
-        """Queue shards for the daemon; each handler gets its shard's reply."""
+    def send(self, requests: Sequence[tuple[PendingKey, bytes]],
+             handlers: Sequence[ReplyHandler]) -> None:
+        """Queue encoded shards for the daemon; each handler gets its shard's reply."""
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
             if self._outbox is None:
                 self._open_stream()
             assert self._outbox is not None
-            for shard, handler in zip(shards, handlers, strict=True):
-                self._pending[(shard.key, shard.round, shard.offset)] = (handler, shard)
-            for shard in shards:
-                self._outbox.put(shard)
+            for (key, message), handler in zip(requests, handlers, strict=True):
+                self._pending[key] = (handler, message)
+            for _, message in requests:
+                self._outbox.put(message)
 
     def forget(self, keys: Sequence[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
@@ -124,12 +129,12 @@ class DaemonLink:
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # No wait_for_ready: a daemon that is down or refuses the handshake fails
         # the call at once with gRPC's reason, which we retry and report.
-        call = self._stub.Reduce(iter(outbox.get, _CLOSE), metadata=self._metadata)
+        call = self._reduce(iter(outbox.get, _CLOSE), metadata=self._metadata)
         self._outbox = outbox
         if self._streams_opened:
             self.reconnects += 1
-            for shard in self._completed.values():
-                outbox.put(shard)
+            for message in self._completed.values():
+                outbox.put(message)
         self._streams_opened += 1
         threading.Thread(target=self._read, args=(call, outbox), daemon=True,
                          name=f"reducer-link-{self.address}").start()
@@ -201,5 +206,5 @@ class DaemonLink:
                             "completed chunk(s)", self.address,
                             cause.code.name if cause else "ended early",
                             len(self._pending), len(self._completed))
-            for _, shard in self._pending.values():
-                self._outbox.put(shard)
+            for _, message in self._pending.values():
+                self._outbox.put(message)

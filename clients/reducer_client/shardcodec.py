@@ -72,6 +72,7 @@ def decode_shard(message: bytes | memoryview) -> ShardView:
         number, wire_type = tag >> 3, tag & 7
         if number == 0:
             raise DecodeError("field number 0")
+        value: int | memoryview
         if wire_type == 0:
             value, pos = _varint(buf, pos)
         elif wire_type == 2:
