@@ -179,7 +179,6 @@ def test_idle_jobs_are_forgotten():
 
 def test_local_group_fails_a_round_that_never_completes_after_its_timeout():
     import grpc
-
     from reducer_client import ReducerError
     from reducer_client.testing import LocalGroup
 
