@@ -39,8 +39,11 @@ def _run_daemon(argv: list[str]) -> int:
         return 0
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from reducerd.memory import tune_malloc
     from reducerd.notify import Notifier
     from reducerd.server import Daemon  # grpc import only when serving
+
+    tune_malloc()
 
     logging.getLogger("reducerd").info(
         "reducerd %s starting (round timeout %g s, max inflight %d bytes)", __version__,
