@@ -275,7 +275,7 @@ class ReducerClient:
         out = np.empty(flat.size, dtype=array.dtype)
         chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
                              self.chunk_bytes, key)
-        return self._send_chunks(wire.to_wire(flat, dtype), 0, out, array.shape, key,
+        return self._send_chunks(flat, 0, out, array.shape, key,
                                  round_, dtype, op, chunks, self.rank,
                                  self.world_size).future
 
@@ -291,13 +291,17 @@ class ReducerClient:
             values.size, wire.wire_itemsize(dtype), len(self._links), self.chunk_bytes,
             f"{key}#{start}")]
         topology = self._node.topology
-        return self._send_chunks(wire.to_wire(values, dtype), start, out, out.shape, key,
+        return self._send_chunks(values, start, out, out.shape, key,
                                  round_, dtype, op, chunks, topology.node, topology.nodes)
 
-    def _send_chunks(self, encoded: np.ndarray, base: int, out: np.ndarray,
+    def _send_chunks(self, values: np.ndarray, base: int, out: np.ndarray,
                      shape: tuple[int, ...], key: str, round_: int, dtype: int, op: int,
                      chunks: Sequence[Chunk], rank: int, world_size: int) -> _Operation:
-        """Send encoded[c.offset - base:] for every chunk c; replies fill out[c.offset:]."""
+        """Send values[c.offset - base:] for every chunk c; replies fill out[c.offset:].
+
+        Each chunk is converted to the wire dtype and queued on its own, so the
+        first chunks are on the wire while later ones are still converted.
+        """
         operation = _Operation(self, key, round_, out, shape, dtype, chunks,
                                time.monotonic() + self.timeout)
         if not chunks:
@@ -305,22 +309,16 @@ class ReducerClient:
             return operation
         with self._lock:
             self._active[id(operation)] = operation
-        view = memoryview(np.ascontiguousarray(encoded).view(np.uint8))  # type: ignore[arg-type]
-        itemsize = wire.wire_itemsize(dtype)
-        per_link: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
-        for chunk in chunks:
-            requests, handlers = per_link[chunk.daemon]
-            begin = (chunk.offset - base) * itemsize
-            message = encode_shard(
-                job=self.job, rank=rank, world_size=world_size, round=round_,
-                key=key, offset=chunk.offset, dtype=dtype, op=op,
-                layout=self._layouts[chunk.daemon],
-                data=view[begin:begin + chunk.numel * itemsize])
-            requests.append(((key, round_, chunk.offset), message))
-            handlers.append(operation.handler(chunk))
         try:
-            for daemon, (requests, handlers) in per_link.items():
-                self._links[daemon].send(requests, handlers)
+            for chunk in chunks:
+                begin = chunk.offset - base
+                encoded = wire.to_wire(values[begin:begin + chunk.numel], dtype)
+                message = encode_shard(
+                    job=self.job, rank=rank, world_size=world_size, round=round_,
+                    key=key, offset=chunk.offset, dtype=dtype, op=op,
+                    layout=self._layouts[chunk.daemon], data=encoded.data.cast("B"))
+                self._links[chunk.daemon].send([((key, round_, chunk.offset), message)],
+                                               [operation.handler(chunk)])
         except ReducerError as exc:
             operation.fail(exc)
         return operation
