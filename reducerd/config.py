@@ -49,6 +49,11 @@ class Config:
     metrics_max_jobs: int = 20
     # GetStatus lists open chunks older than this as stalled.
     stalled_after_s: float = 5.0
+    # Open chunks one job may hold at once (beyond: RESOURCE_EXHAUSTED).
+    max_open_chunks_per_job: int = 65536
+    # A stream with nothing open and no message for this long is ended (OK);
+    # clients open a new one when they next send.
+    stream_idle_timeout_s: float = 600.0
     # Not an option: $CREDENTIALS_DIRECTORY, set by systemd when the unit loads credentials.
     credentials_directory: str | None = None
 
@@ -76,7 +81,8 @@ class Config:
         if self.metrics_listen:
             parse_host_port(self.metrics_listen, "metrics_listen")
         self._validate_port_offset()
-        for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s"):
+        for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s",
+                     "stream_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_inflight_bytes", "max_message_bytes"):
@@ -86,6 +92,9 @@ class Config:
             raise ConfigError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca: needs tls_cert and tls_key")
+        if self.max_open_chunks_per_job < 1:
+            raise ConfigError(f"max_open_chunks_per_job: must be >= 1, got "
+                              f"{self.max_open_chunks_per_job}")
         if self.metrics_max_jobs < 0:
             raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
         self._validate_credential()
@@ -192,6 +201,8 @@ _FLAGS = {
     "--auth-token-credential": "auth_token_credential",
     "--metrics-max-jobs": "metrics_max_jobs",
     "--stalled-after": "stalled_after_s",
+    "--max-open-chunks-per-job": "max_open_chunks_per_job",
+    "--stream-idle-timeout": "stream_idle_timeout_s",
 }
 _HELP = {
     "listen": "gRPC address to serve (required)",
@@ -209,6 +220,9 @@ _HELP = {
     "auth_token_credential": "read the token from $CREDENTIALS_DIRECTORY/NAME (systemd)",
     "metrics_max_jobs": "jobs with their own metrics label, the rest are 'other' (default 20)",
     "stalled_after_s": "status lists open chunks older than this as stalled (default 5)",
+    "max_open_chunks_per_job": "open chunks one job may hold at once (default 65536)",
+    "stream_idle_timeout_s": "end streams idle this many seconds with nothing open "
+                             "(default 600)",
 }
 # TOML keys are the flag names without dashes ("round-timeout" or "round_timeout").
 _TOML_KEYS = {flag[2:].replace("-", "_"): name for flag, name in _FLAGS.items()}

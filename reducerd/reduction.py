@@ -145,9 +145,11 @@ class ReductionTable:
     """
 
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_open_chunks_per_job: int = 65536) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
+        self.max_open_chunks_per_job = max_open_chunks_per_job
         self.bytes_held = 0
         self.jobs: dict[str, JobStats] = {}
         self._clock = clock
@@ -260,6 +262,10 @@ class ReductionTable:
         if not self.accepting_new_chunks:
             return [self._fail(cid, UNAVAILABLE, f"{cid.describe()}: daemon is shutting "
                                "down and opens no new chunks", (sink,), part)]
+        if job.open_chunks >= self.max_open_chunks_per_job:
+            message = (f"{cid.describe()}: job has {job.open_chunks} open chunks, the "
+                       f"limit (--max-open-chunks-per-job)")
+            return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
         if self.bytes_held + nbytes > self.max_inflight_bytes:
             message = (f"{cid.describe()}: daemon holds {self.bytes_held} bytes for open "
                        f"chunks; this chunk needs {nbytes} more, over the limit of "

@@ -66,7 +66,8 @@ class Daemon:
 
     def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
-        self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes)
+        self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
+                                    max_open_chunks_per_job=config.max_open_chunks_per_job)
         self.service = ReducerService(self.table, stalled_after_s=config.stalled_after_s)
         # systemd's notify socket; a no-op outside a Type=notify unit.
         self.notifier = notifier or Notifier()
@@ -151,6 +152,7 @@ class Daemon:
         while True:
             await asyncio.sleep(period_s)
             self.service.deliver(self.table.expire())
+            self.service.end_idle_streams(self.config.stream_idle_timeout_s)
 
     async def _drain(self) -> None:
         grace_s = self.config.drain_grace_s

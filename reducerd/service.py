@@ -47,6 +47,7 @@ class _Stream:
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()
         self.waiting: set[ChunkId] = set()
         self.half_closed = False
+        self.last_message_s = time.monotonic()
 
     def maybe_finish(self) -> None:
         if self.half_closed and not self.waiting:
@@ -168,6 +169,7 @@ class ReducerService:
                 part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
                                     shard.data, shard.layout)
                 stream.waiting.add(cid)
+                stream.last_message_s = time.monotonic()
                 self.deliver(self.table.contribute(cid, part, stream))
         except asyncio.CancelledError:
             raise
@@ -193,6 +195,15 @@ class ReducerService:
     def _note_job(self, shard: ShardView) -> None:
         if shard.job not in self.table.jobs:
             log.info("job %r first seen (world size %d)", shard.job, shard.world_size)
+
+    def end_idle_streams(self, idle_timeout_s: float) -> None:
+        """End (OK) streams that wait for nothing and sent nothing for a while,
+        so a client that opens streams and goes quiet holds nothing for ever."""
+        now = time.monotonic()
+        for stream in list(self.streams):
+            if not stream.waiting and now - stream.last_message_s >= idle_timeout_s:
+                stream.last_message_s = float("inf")  # end it once
+                stream.outbox.put_nowait(_END)
 
     def deliver(self, deliveries: list[Delivery]) -> None:
         """Put each delivery's reply into its streams' outboxes."""

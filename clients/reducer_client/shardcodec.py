@@ -70,8 +70,8 @@ def decode_shard(message: bytes | memoryview) -> ShardView:
     while pos < end:
         tag, pos = _varint(buf, pos)
         number, wire_type = tag >> 3, tag & 7
-        if number == 0:
-            raise DecodeError("field number 0")
+        if number == 0 or number >= 1 << 29:
+            raise DecodeError(f"field number {number} out of range")
         value: int | memoryview
         if wire_type == 0:
             value, pos = _varint(buf, pos)

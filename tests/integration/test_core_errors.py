@@ -248,3 +248,24 @@ def test_sigterm_fails_rounds_still_open_after_the_grace(tmp_path):
     finally:
         stream.close()
         d.stop(signal.SIGKILL)
+
+
+def test_idle_streams_are_ended_and_clients_carry_on(tmp_path):
+    """A stream that sends nothing is ended after --stream-idle-timeout, so it
+    holds nothing for ever; a client whose idle stream was ended reconnects
+    on its next allreduce."""
+    d = start_daemon("--stream-idle-timeout", "0.5", log_dir=tmp_path)
+    silent = RawStream(d.address)
+    try:
+        assert silent.next_reply(timeout=10) is None  # ended with OK
+        with ReducerClient([d.address], job="idle", rank=0, world_size=1) as client:
+            x = np.arange(8, dtype=np.float32)
+            assert np.array_equal(client.allreduce(x, key="k"), x)
+            time.sleep(1.5)
+            assert np.array_equal(client.allreduce(x, key="k"), x)
+        with grpc.insecure_channel(d.address) as channel:
+            reply = pb_grpc.ReducerStub(channel).GetStatus(pb.StatusRequest(), timeout=5)
+        assert reply.open_streams == 0
+    finally:
+        silent.close()
+        d.stop()

@@ -187,3 +187,13 @@ def test_local_group_fails_a_round_that_never_completes_after_its_timeout():
     with pytest.raises(ReducerError) as info:
         future.result(timeout=5)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_open_chunks_per_job_are_capped():
+    table = ReductionTable(60, 1 << 30, max_open_chunks_per_job=2)
+    for offset in (0, 1):
+        assert table.contribute(ChunkId("job", "k", 0, offset), part(0, [1.0]), "a") == []
+    (refused,) = table.contribute(ChunkId("job", "k", 0, 2), part(0, [1.0]), "a")
+    assert refused.error_code == "RESOURCE_EXHAUSTED"
+    assert "--max-open-chunks-per-job" in refused.error_message
+    assert table.contribute(ChunkId("other", "k", 0, 2), part(0, [1.0]), "a") == []
