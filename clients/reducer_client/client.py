@@ -18,7 +18,13 @@ from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client.env import local_settings_from_env, settings_from_env
 from reducer_client.errors import ReducerError
-from reducer_client.layout import DEFAULT_CHUNK_BYTES, Chunk, layout_fingerprint, plan_chunks
+from reducer_client.layout import (
+    DEFAULT_CHUNK_BYTES,
+    Chunk,
+    layout_fingerprint,
+    pipelined_chunk_bytes,
+    plan_chunks,
+)
 from reducer_client.link import DaemonLink
 from reducer_client.node import NodeGroup
 from reducer_client.node_layout import node_topology
@@ -138,6 +144,9 @@ class ReducerClient:
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        # Without an explicit chunk_bytes, smaller keys get smaller chunks so
+        # that each daemon has several to pipeline (layout.pipelined_chunk_bytes).
+        self._pipelined = chunk_bytes is None
         # What every worker must agree on for daemon i; the daemon checks it per job.
         self._layouts = [layout_fingerprint(len(self.addresses), i, self.chunk_bytes)
                          for i in range(len(self.addresses))]
@@ -274,7 +283,7 @@ class ReducerClient:
             flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
         out = np.empty(flat.size, dtype=array.dtype)
         chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
-                             self.chunk_bytes, key)
+                             self._chunk_bytes_for(flat.size, dtype), key)
         return self._send_chunks(flat, 0, out, array.shape, key,
                                  round_, dtype, op, chunks, self.rank,
                                  self.world_size).future
@@ -288,11 +297,18 @@ class ReducerClient:
         """
         assert self._node is not None
         chunks = [Chunk(start + c.offset, c.numel, c.daemon) for c in plan_chunks(
-            values.size, wire.wire_itemsize(dtype), len(self._links), self.chunk_bytes,
+            values.size, wire.wire_itemsize(dtype), len(self._links),
+            self._chunk_bytes_for(values.size, dtype),
             f"{key}#{start}")]
         topology = self._node.topology
         return self._send_chunks(values, start, out, out.shape, key,
                                  round_, dtype, op, chunks, topology.node, topology.nodes)
+
+    def _chunk_bytes_for(self, numel: int, dtype: int) -> int:
+        if not self._pipelined:
+            return self.chunk_bytes
+        return pipelined_chunk_bytes(numel * wire.wire_itemsize(dtype), len(self._links),
+                                     self.chunk_bytes)
 
     def _send_chunks(self, values: np.ndarray, base: int, out: np.ndarray,
                      shape: tuple[int, ...], key: str, round_: int, dtype: int, op: int,
