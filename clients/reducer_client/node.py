@@ -90,13 +90,11 @@ class _NodeOp:
         self.inner: Any = None  # the daemon phase of our slice
         self.settled = False
 
-    def views(self, local_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """(L input rows, result row) inside the segment, float32."""
+    def rows(self, local_size: int) -> np.ndarray:
+        """The segment as float32 rows: L inputs, then the node sums, then the result."""
         assert self.segment is not None
-        buf, n = self.segment.buf, self.numel
-        rows = np.ndarray((local_size, n), dtype=np.float32, buffer=buf)
-        result = np.ndarray((n,), dtype=np.float32, buffer=buf, offset=local_size * n * 4)
-        return rows, result
+        return np.ndarray((local_size + 2, self.numel), dtype=np.float32,
+                          buffer=self.segment.buf)
 
 
 class NodeGroup:
@@ -159,7 +157,7 @@ class NodeGroup:
             self._fail(node_op, self._late(node_op), tell=True)
         if node_op.segment is None or node_op.settled:
             return node_op.future  # failed (mismatch, no /dev/shm, node aborted)
-        rows, _ = node_op.views(self.topology.local_size)
+        rows = node_op.rows(self.topology.local_size)
         row = rows[self.topology.local_rank]
         if flat is None:
             row.fill(-0.0)
@@ -297,16 +295,18 @@ class NodeGroup:
         if start == stop:
             self._send(["done", node_op.key, node_op.round])
             return
-        rows, result = node_op.views(topo.local_size)
-        # Sum into our slice of the result row: it is ours until the reply
-        # overwrites it, and it saves a fresh buffer (page faults) per step.
-        acc = result[start:stop]
+        local_size = topo.local_size
+        rows = node_op.rows(local_size)
+        # Sum into the segment's row of node sums: not into the result row,
+        # where replies land while later chunks of the slice may still be read
+        # for sending; not into a fresh buffer, which costs page faults per step.
+        acc, result = rows[local_size, start:stop], rows[local_size + 1]
         np.copyto(acc, rows[0, start:stop])
-        for local_rank in range(1, topo.local_size):  # fixed order: same bits every step
+        for local_rank in range(1, local_size):  # fixed order: same bits every step
             np.add(acc, rows[local_rank, start:stop], out=acc)
         if node_op.op == pb.REDUCE_OP_MEAN:
             # Node mean: the daemons average the N node means (see module docstring).
-            np.divide(acc, np.float32(topo.local_size), out=acc)
+            np.divide(acc, np.float32(local_size), out=acc)
         del rows
         inner = self._send_slice(acc, start, result, node_op.key, node_op.round,
                                  node_op.dtype, node_op.op)
@@ -323,7 +323,7 @@ class NodeGroup:
 
     def _finish(self, node_op: _NodeOp) -> None:
         """Copy the whole result out of the segment, free it, complete the future."""
-        _, result = node_op.views(self.topology.local_size)
+        result = node_op.rows(self.topology.local_size)[-1]
         out = np.empty(node_op.numel, dtype=node_op.out_dtype)
         np.copyto(out, result, casting="unsafe")  # exact: float32 holds the wire value
         del result

@@ -57,8 +57,8 @@ def encode(message: list[Any]) -> bytes:
 
 
 def segment_nbytes(numel: int, local_size: int) -> int:
-    """L float32 input rows plus one float32 result row."""
-    return (local_size + 1) * numel * 4
+    """L float32 input rows, a row of node sums and a result row."""
+    return (local_size + 2) * numel * 4
 
 
 @dataclass
