@@ -36,12 +36,18 @@ def _itemsize(system: str, config: BenchConfig) -> int:
     return WIRE_ITEMSIZE[system.removeprefix("gloo-")]
 
 
+def _aggregates(system: str, node_aggregation: bool | None) -> bool:
+    """reducerd's client reduces inside a node first (on whenever L > 1); ps-lite does not."""
+    return system == "reducerd" if node_aggregation is None else node_aggregation
+
+
 def theory_bytes_per_node(system: str, size_bytes: int, config: BenchConfig,
-                          node_aggregation: bool = False) -> float:
+                          node_aggregation: bool | None = None) -> float:
     """Bytes a node's link carries each way for one allreduce, in theory (payload only).
 
-    Parameter servers (reducerd, ps-lite): the model once per worker on the
-    node (once per node with node-local aggregation). Ring: only the ring's
+    Parameter servers (reducerd, ps-lite): the model once per node with
+    node-local aggregation (reducerd's default), else once per worker on the
+    node. Ring: only the ring's
     edges between nodes use the link, one out and one in per node (ranks are
     placed node by node), each carrying 2(N-1)/N of the model.
     """
@@ -49,7 +55,7 @@ def theory_bytes_per_node(system: str, size_bytes: int, config: BenchConfig,
     if system.startswith("gloo-"):
         n = config.workers
         return 2 * (n - 1) / n * model if config.nodes > 1 else 0.0
-    return model * (1 if node_aggregation else config.workers_per_node)
+    return model * (1 if _aggregates(system, node_aggregation) else config.workers_per_node)
 
 
 def daemon_link_bytes(system: str, size_bytes: int, config: BenchConfig) -> float:
@@ -60,7 +66,8 @@ def daemon_link_bytes(system: str, size_bytes: int, config: BenchConfig) -> floa
     share = config.daemons
     if system == "mxnet-ps" and size_bytes // 4 < MXNET_BIGARRAY_BOUND:
         share = 1
-    return config.workers * model / share
+    senders = config.nodes if _aggregates(system, None) else config.workers
+    return senders * model / share
 
 
 def line_rate_bound_s(system: str, size_bytes: int, config: BenchConfig) -> float:

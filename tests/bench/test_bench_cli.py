@@ -114,9 +114,11 @@ def test_theory_bytes():
     # D = N/2: each daemon link carries two models, which bounds the time.
     assert line_rate_bound_s("reducerd", 16 << 20, config) == 2 * model_fp16 / 25e6
     per_node = _config(workers_per_node=2, emulate_cluster="200mbit", rate_bytes_per_s=25e6)
-    assert theory_bytes_per_node("reducerd", 16 << 20, per_node) == 2 * model_fp16
-    assert theory_bytes_per_node("reducerd", 16 << 20, per_node, node_aggregation=True) \
-        == model_fp16
+    # reducerd's client aggregates inside the node by default: the model once per node.
+    assert theory_bytes_per_node("reducerd", 16 << 20, per_node) == model_fp16
+    assert theory_bytes_per_node("reducerd", 16 << 20, per_node, node_aggregation=False) \
+        == 2 * model_fp16
+    assert theory_bytes_per_node("mxnet-ps", 16 << 20, per_node) == 2 * model_fp16
 
 
 def test_aggregate_takes_the_slowest_rank_per_iteration():
