@@ -24,6 +24,9 @@ from reducer_client.node_layout import MIN_SLICE_BYTES, node_slice, node_topolog
 from reducer_client.node_shm import SHM_DIR, segment_prefix
 from support import run_workers
 
+# Job names are per host: two test runs at once on one host must not meet.
+RUN = os.getpid()
+
 
 def _world_sizes(addresses: list[str]) -> dict[str, set[int]]:
     """job -> the world sizes the daemons saw in its shards (GetStatus)."""
@@ -65,7 +68,7 @@ def test_node_local_matches_float64_like_flat(daemons, nodes, local_size, via_en
     for node-local jobs and one per worker for flat ones; nothing stays in
     /dev/shm."""
     world = nodes * local_size
-    tag = f"nl{nodes}x{local_size}"
+    tag = f"nl{nodes}x{local_size}-{RUN}"
     with daemons(2) as d:
         results = run_workers(matrix_worker, world,
                               (d.addresses, local_size, tag, via_env), timeout=120)
@@ -98,7 +101,7 @@ def test_killed_local_worker_fails_the_others_fast_and_leaks_nothing(daemons, vi
     does not hold the dead worker's socket open), far from the 30 s timeout;
     later calls fail at once; /dev/shm holds nothing of the job afterwards.
     Local rank 0 hosts the coordinator, so both roles die."""
-    job = f"nl-kill-{victim}"
+    job = f"nl-kill-{victim}-{RUN}"
     pid_file = tmp_path / "child.pid"
     try:
         with daemons(2) as d:
@@ -110,6 +113,7 @@ def test_killed_local_worker_fails_the_others_fast_and_leaks_nothing(daemons, vi
     for rank, result in enumerate(results):
         if rank == victim:
             continue
+        assert not isinstance(result, Exception), result
         assert result["step0"] <= 1.0
         code, message = result["error"]
         assert code == "ABORTED", result
@@ -123,7 +127,8 @@ def test_straggler_is_named_within_the_timeout(daemons):
     """Local rank 1 never reaches the key: local rank 0 fails after ~timeout (2 s)
     with DEADLINE_EXCEEDED naming local rank 1."""
     with daemons(1) as d:
-        results = run_workers(straggler_worker, 2, (d.addresses, "nl-straggler"), timeout=60)
+        results = run_workers(straggler_worker, 2, (d.addresses, f"nl-straggler-{RUN}"),
+                              timeout=60)
     code, message = results[0]["error"]
     assert code == "DEADLINE_EXCEEDED" and "local rank(s) [1]" in message, message
     assert 1.5 < results[0]["elapsed"] < 5
@@ -137,15 +142,15 @@ def test_one_worker_per_node_uses_no_shared_memory(daemons, monkeypatch):
     import numpy as np
 
     with daemons(1) as d:
-        with ReducerClient(d.addresses, job="nl-single", rank=0, world_size=1) as client:
+        with ReducerClient(d.addresses, job=f"nl-single-{RUN}", rank=0, world_size=1) as client:
             assert client.local_size == 1 and client._node is None
             out = client.allreduce(np.arange(1000, dtype=np.float32), key="k")
             assert out[-1] == 999
-            assert _leftovers("nl-single", 1) == []
+            assert _leftovers(f"nl-single-{RUN}", 1) == []
         monkeypatch.setenv("REDUCER_LOCAL_RANK", "0")
         monkeypatch.setenv("REDUCER_LOCAL_SIZE", "2")
         monkeypatch.setenv("REDUCER_NODE_LOCAL", "0")
-        with ReducerClient(d.addresses, job="nl-off", rank=0, world_size=2) as client:
+        with ReducerClient(d.addresses, job=f"nl-off-{RUN}", rank=0, world_size=2) as client:
             assert client.local_size == 2 and client._node is None
 
 
