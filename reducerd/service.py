@@ -127,6 +127,9 @@ class ReducerService:
         self.draining = False
         self.started_s = time.monotonic()
         self._throughput: dict[str, _Throughput] = {}
+        # (job, key, round, code) of failures logged lately: one line per failed
+        # round, not one per chunk (a 64 MiB key has dozens of chunks).
+        self._logged_failures: deque[tuple[str, str, int, str]] = deque(maxlen=256)
 
     async def Reduce(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.draining:
@@ -196,6 +199,12 @@ class ReducerService:
         if shard.job not in self.table.jobs:
             log.info("job %r first seen (world size %d)", shard.job, shard.world_size)
 
+    def _log_failure(self, d: Delivery) -> None:
+        failure = (d.chunk.job, d.chunk.key, d.chunk.round, d.error_code)
+        if failure not in self._logged_failures:
+            self._logged_failures.append(failure)
+            log.warning("chunk failed (%s): %s", d.error_code, d.error_message)
+
     def end_idle_streams(self, idle_timeout_s: float) -> None:
         """End (OK) streams that wait for nothing and sent nothing for a while,
         so a client that opens streams and goes quiet holds nothing for ever."""
@@ -212,7 +221,7 @@ class ReducerService:
                 self.observer.delivered(d)
             code = getattr(grpc.StatusCode, d.error_code) if d.error_code else None
             if code is not None and not d.repeat:
-                log.warning("chunk failed (%s): %s", d.error_code, d.error_message)
+                self._log_failure(d)
             reply = encode_shard(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
                                  offset=d.chunk.offset, dtype=d.dtype, op=d.op,
                                  world_size=d.world_size, data=d.data,
