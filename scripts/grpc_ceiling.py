@@ -3,7 +3,8 @@
     python scripts/grpc_ceiling.py [--clients 4] [--mib 32] [--message-kib 1024] [--rounds 5]
                                    [--sync]
 
-A grpc.aio server (--sync: the thread-pool server) on 127.0.0.1 (its own process, like reducerd) echoes every
+A grpc.aio server (--sync: the thread-pool server) on 127.0.0.1, in its own
+process like reducerd, echoes every
 raw-bytes message of a bidirectional stream; each client process streams
 --mib MiB in --message-kib messages and reads them back, --rounds times.
 Printed: the server's input GB per CPU-second and the wall time per round,
@@ -111,7 +112,8 @@ def main() -> int:
         server.kill()
     total_in = args.clients * args.rounds * (args.mib << 20)
     per_round = sorted(max(t[i] for t in times) for i in range(args.rounds))
-    print(f"{'sync' if args.sync else 'aio'} echo server: {total_in / 1e9 / cpu:.2f} GB of input per CPU-second "
+    kind = "sync" if args.sync else "aio"
+    print(f"{kind} echo server: {total_in / 1e9 / cpu:.2f} GB of input per CPU-second "
           f"({total_in / 1e9:.2f} GB in and out, {cpu:.2f} s CPU); "
           f"median round {per_round[len(per_round) // 2] * 1e3:.0f} ms for "
           f"{args.clients} x {args.mib} MiB each way")
