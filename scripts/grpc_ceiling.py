@@ -4,9 +4,9 @@
                                    [--sync]
 
 A grpc.aio server (--sync: the thread-pool server) on 127.0.0.1, in its own
-process like reducerd, echoes every
-raw-bytes message of a bidirectional stream; each client process streams
---mib MiB in --message-kib messages and reads them back, --rounds times.
+process like reducerd, echoes every raw-bytes message of a bidirectional
+stream; each client process streams --mib MiB in --message-kib messages and
+reads them back, --rounds times.
 Printed: the server's input GB per CPU-second and the wall time per round,
 the ceiling for reducerd's daemon (which does the same I/O plus the sums),
 to compare with `reducerd bench`'s "daemons: GB of input per CPU-second".
