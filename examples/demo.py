@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -23,27 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from reducerd.local import running_daemons
+
 WORKERS, DAEMONS, STEPS, HIDDEN = 2, 2, 60, 512
 FEATURES, CLASSES, SAMPLES = 256, 10, 4096
-
-
-def start_daemons(log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    procs, addresses = [], []
-    for i in range(DAEMONS):
-        log = log_dir / f"reducerd-{i}.log"
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, "-m", "reducerd", "--listen",
-                                           "127.0.0.1:0"], stdout=f, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            match = re.search(r"listening on \S+:(\d+)", log.read_text())
-            if match:
-                addresses.append(f"127.0.0.1:{match.group(1)}")
-                break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError(f"daemon {i} did not start:\n{log.read_text()}")
-    return procs, addresses
 
 
 def make_data(rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -107,39 +89,35 @@ def run_torch_workers(addresses: list[str]) -> int:
 
 def main() -> int:
     use_torch = "--numpy" not in sys.argv and importlib.util.find_spec("torch") is not None
-    with tempfile.TemporaryDirectory(prefix="reducerd-demo-") as tmp:
-        procs, addresses = start_daemons(Path(tmp))
-        try:
-            if use_torch:
-                return run_torch_workers(addresses)
-            print(f"daemons: {', '.join(addresses)}; {WORKERS} workers, "
-                  f"{FEATURES * HIDDEN + HIDDEN * CLASSES:,} parameters, float16 wire")
-            ctx = mp.get_context("spawn")
-            report = ctx.Queue()
-            workers = [ctx.Process(target=worker, args=(r, addresses, report))
-                       for r in range(WORKERS)]
-            for w in workers:
-                w.start()
-            results = sorted(report.get(timeout=300) for _ in workers)
-            for w in workers:
-                w.join(30)
-            if any(w.exitcode != 0 for w in workers):
-                print("a worker failed", file=sys.stderr)
-                return 1
-            checksums = {round(r[3], 3) for r in results}
-            _, seconds, nbytes, _ = results[0]
-            print(f"reduction throughput: {nbytes / seconds / 1e6:.1f} MB/s of float32 "
-                  f"gradient per worker ({STEPS} allreduces of {nbytes // STEPS:,} bytes, "
-                  f"{seconds / STEPS * 1e3:.1f} ms each)")
-            print("workers agree on the weights" if len(checksums) == 1
-                  else f"weights differ between workers: {checksums}")
-            return 0 if len(checksums) == 1 else 1
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(20)
+    with tempfile.TemporaryDirectory(prefix="reducerd-demo-") as tmp, \
+            running_daemons(DAEMONS, log_dir=Path(tmp)) as daemons:
+        if use_torch:
+            return run_torch_workers(daemons.addresses)
+        return run_numpy_workers(daemons.addresses)
 
+
+def run_numpy_workers(addresses: list[str]) -> int:
+    print(f"daemons: {', '.join(addresses)}; {WORKERS} workers, "
+          f"{FEATURES * HIDDEN + HIDDEN * CLASSES:,} parameters, float16 wire")
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    workers = [ctx.Process(target=worker, args=(r, addresses, report)) for r in range(WORKERS)]
+    for w in workers:
+        w.start()
+    results = sorted(report.get(timeout=300) for _ in workers)
+    for w in workers:
+        w.join(30)
+    if any(w.exitcode != 0 for w in workers):
+        print("a worker failed", file=sys.stderr)
+        return 1
+    checksums = {round(r[3], 3) for r in results}
+    _, seconds, nbytes, _ = results[0]
+    print(f"reduction throughput: {nbytes / seconds / 1e6:.1f} MB/s of float32 "
+          f"gradient per worker ({STEPS} allreduces of {nbytes // STEPS:,} bytes, "
+          f"{seconds / STEPS * 1e3:.1f} ms each)")
+    print("workers agree on the weights" if len(checksums) == 1
+          else f"weights differ between workers: {checksums}")
+    return 0 if len(checksums) == 1 else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,21 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-
-def start_daemons(count: int, log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    procs, addresses = [], []
-    for i in range(count):
-        log = log_dir / f"reducerd-{i}.log"
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "reducerd", "--listen",
-                                           "127.0.0.1:0"], stdout=out, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 20
-        while not (match := re.search(r"listening on \S+:(\d+)", log.read_text())):
-            if time.monotonic() > deadline or procs[-1].poll() is not None:
-                raise RuntimeError(f"reducerd did not start:\n{log.read_text()}")
-            time.sleep(0.05)
-        addresses.append(f"127.0.0.1:{match.group(1)}")
-    return procs, addresses
+from reducerd.local import running_daemons
 
 
 def job_bytes(addresses: list[str], job: str) -> tuple[int, int]:
@@ -108,13 +91,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    daemons, addresses = start_daemons(args.daemons, Path(tempfile.mkdtemp()))
-    try:
-        rows = [run(args, addresses, node_local) for node_local in (False, True)]
-    finally:
-        for proc in daemons:
-            proc.terminate()
-            proc.wait()
+    with running_daemons(args.daemons, log_dir=Path(tempfile.mkdtemp())) as daemons:
+        rows = [run(args, daemons.addresses, node_local) for node_local in (False, True)]
     print(f"{args.workers} workers on 1 node, {args.daemons} daemons, {args.mib} MiB float32, "
           f"{args.wire_dtype} wire, median of {args.iters} (after {args.warmup} warm-up)")
     for row in rows:

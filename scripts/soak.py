@@ -22,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
-
 SIZES = [256, 4096, 65_536, 262_144, 1 << 20]  # elements of float32
 
 
@@ -69,7 +67,7 @@ def worker(job: int, rank: int, world: int, addresses: list[str], stop_at: float
 
 
 def run(duration_s: float, workers: int, daemons: int, warmup_s: float) -> dict:
-    from support import start_daemon
+    from reducerd.local import start_daemon
 
     procs = [start_daemon("--round-timeout", "60") for _ in range(daemons)]
     try:
