@@ -20,7 +20,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd import __version__
 from reducerd.config import Config
 from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
@@ -72,7 +71,7 @@ class Daemon:
         # systemd's notify socket; a no-op outside a Type=notify unit.
         self.notifier = notifier or Notifier()
         self.metrics: Metrics | None = None
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else None
+        self.health: health.aio.HealthServicer | None = None  # made by start()
         self.port: int | None = None
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -93,7 +92,7 @@ class Daemon:
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((self.service.handler(),))
-        self.health = _health_servicer()
+        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -179,15 +178,8 @@ class Daemon:
         log.info("stopped")
 
 
-def _health_servicer():
-    return health.aio.HealthServicer()
-
-
 def _read(path: str | None) -> bytes:
     assert path
     with open(path, "rb") as f:
         return f.read()
 
-
-def version() -> str:
-    return __version__

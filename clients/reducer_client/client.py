@@ -333,8 +333,8 @@ class ReducerClient:
                     job=self.job, rank=rank, world_size=world_size, round=round_,
                     key=key, offset=chunk.offset, dtype=dtype, op=op,
                     layout=self._layouts[chunk.daemon], data=encoded.data.cast("B"))
-                self._links[chunk.daemon].send([((key, round_, chunk.offset), message)],
-                                               [operation.handler(chunk)])
+                self._links[chunk.daemon].send((key, round_, chunk.offset), message,
+                                               operation.handler(chunk))
         except ReducerError as exc:
             operation.fail(exc)
         return operation

@@ -90,19 +90,16 @@ class DaemonLink:
         self.reconnects = 0
         self._closed = False
 
-    def send(self, requests: Sequence[tuple[PendingKey, bytes]],
-             handlers: Sequence[ReplyHandler]) -> None:
-        """Queue encoded shards for the daemon; each handler gets its shard's reply."""
+    def send(self, key: PendingKey, message: bytes, handler: ReplyHandler) -> None:
+        """Queue one encoded shard for the daemon; `handler` gets its reply."""
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
             if self._outbox is None:
                 self._open_stream()
             assert self._outbox is not None
-            for (key, message), handler in zip(requests, handlers, strict=True):
-                self._pending[key] = (handler, message)
-            for _, message in requests:
-                self._outbox.put(message)
+            self._pending[key] = (handler, message)
+            self._outbox.put(message)
 
     def forget(self, keys: Sequence[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
