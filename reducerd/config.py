@@ -54,6 +54,9 @@ class Config:
     # A stream with nothing open and no message for this long is ended (OK);
     # clients open a new one when they next send.
     stream_idle_timeout_s: float = 600.0
+    # The TCP data plane (reducer_client.dataplane): "auto" = the listen host on
+    # any free port (GetStatus tells clients which), HOST:PORT, or "off". Off under TLS.
+    data_listen: str = "auto"
     # Not an option: $CREDENTIALS_DIRECTORY, set by systemd when the unit loads credentials.
     credentials_directory: str | None = None
 
@@ -68,6 +71,16 @@ class Config:
         return _offset(self.metrics_listen, self.port_offset) if self.metrics_listen else None
 
     @property
+    def data_address(self) -> tuple[str, int] | None:
+        """Where to serve the data plane (port 0: any free one), or None for none."""
+        if self.data_listen == "off" or (self.data_listen == "auto" and self.tls_cert):
+            return None
+        if self.data_listen == "auto":
+            return parse_host_port(self.listen_address, "listen")[0], 0
+        host, port = parse_host_port(self.data_listen, "data_listen")
+        return host, port + self.port_offset if port else 0
+
+    @property
     def token_path(self) -> str | None:
         """The token file: auth_token_file, or the credential in $CREDENTIALS_DIRECTORY."""
         if self.auth_token_credential and self.credentials_directory:
@@ -80,6 +93,11 @@ class Config:
         parse_host_port(self.listen, "listen")
         if self.metrics_listen:
             parse_host_port(self.metrics_listen, "metrics_listen")
+        if self.data_listen not in ("auto", "off"):
+            parse_host_port(self.data_listen, "data_listen")
+            if self.tls_cert:
+                raise ConfigError("data_listen: the TCP data plane is not encrypted; with "
+                                  "TLS, data goes through gRPC (leave data_listen auto or off)")
         self._validate_port_offset()
         for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s",
                      "stream_idle_timeout_s"):
@@ -112,12 +130,12 @@ class Config:
             return
         if not 0 < self.port_offset < 65536:
             raise ConfigError(f"port_offset: must be between 0 and 65535, got {self.port_offset}")
-        for name in ("listen", "metrics_listen"):
+        for name in ("listen", "metrics_listen", "data_listen"):
             address = getattr(self, name)
-            if not address:
+            if not address or address in ("auto", "off"):
                 continue
             port = parse_host_port(address, name)[1]
-            if port == 0:
+            if port == 0 and name != "data_listen":
                 raise ConfigError(f"port_offset: needs a fixed {name} port, not 0")
             if port + self.port_offset > 65535:
                 raise ConfigError(f"port_offset: {name} port {port} + {self.port_offset} "
@@ -203,6 +221,7 @@ _FLAGS = {
     "--stalled-after": "stalled_after_s",
     "--max-open-chunks-per-job": "max_open_chunks_per_job",
     "--stream-idle-timeout": "stream_idle_timeout_s",
+    "--data-listen": "data_listen",
 }
 _HELP = {
     "listen": "gRPC address to serve (required)",
@@ -216,13 +235,15 @@ _HELP = {
     "max_message_bytes": "largest gRPC message accepted or sent (default 64 MiB)",
     "drain_grace_s": "seconds SIGTERM waits for open rounds (default 30)",
     "log_level": "debug, info, warning or error (default info)",
-    "port_offset": "add N to the listen and metrics ports (reducerd@N.service)",
+    "port_offset": "add N to the listen, metrics and data ports (reducerd@N.service)",
     "auth_token_credential": "read the token from $CREDENTIALS_DIRECTORY/NAME (systemd)",
     "metrics_max_jobs": "jobs with their own metrics label, the rest are 'other' (default 20)",
     "stalled_after_s": "status lists open chunks older than this as stalled (default 5)",
     "max_open_chunks_per_job": "open chunks one job may hold at once (default 65536)",
     "stream_idle_timeout_s": "end streams idle this many seconds with nothing open "
                              "(default 600)",
+    "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
+                   "the default) or 'off'; off under TLS",
 }
 # TOML keys are the flag names without dashes ("round-timeout" or "round_timeout").
 _TOML_KEYS = {flag[2:].replace("-", "_"): name for flag, name in _FLAGS.items()}

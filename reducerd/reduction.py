@@ -58,7 +58,7 @@ class Contribution:
     world_size: int
     dtype: int
     op: int
-    data: bytes
+    data: bytes | memoryview  # a view into the received message
     layout: int = 0  # the sender's layout fingerprint (0: not checked)
 
     @property

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.config import Config
+from reducerd.dataplane import DataPlane
 from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
 from reducerd.service import ReducerService
@@ -73,6 +74,7 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.health: health.aio.HealthServicer | None = None  # made by start()
         self.port: int | None = None
+        self.data_plane: DataPlane | None = None
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
 
@@ -106,12 +108,25 @@ class Daemon:
             self.port = server.add_insecure_port(cfg.listen_address)
         await server.start()
         self._server = server
+        data_port = self._start_data_plane(token)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen_address.rpartition(":")[0]
         log.info("listening on %s:%d%s%s", host, self.port, " (TLS)" if cfg.tls_cert else "",
                  " (token required)" if token else "")
+        if data_port:
+            log.info("data plane on %s:%d", cfg.data_address[0] if cfg.data_address else "",
+                     data_port)
         return self.port
+
+    def _start_data_plane(self, token: str | None) -> int:
+        address = self.config.data_address
+        if address is None:
+            return 0
+        self.data_plane = DataPlane(self.service, asyncio.get_running_loop(), token,
+                                    self.config.max_message_bytes)
+        self.service.data_port = self.data_plane.start(*address)
+        return self.service.data_port
 
     def _start_metrics(self, address: str) -> None:
         from reducerd.metrics import Metrics  # prometheus-client only when asked for
@@ -172,6 +187,8 @@ class Daemon:
             self.service.deliver(self.table.fail_all(UNAVAILABLE,
                                                      "daemon shut down before the round completed"))
         await asyncio.sleep(0.05)  # let the outboxes flush
+        if self.data_plane is not None:
+            self.data_plane.stop()
         await self._server.stop(grace=1.0)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop_http)

@@ -27,7 +27,7 @@ log = logging.getLogger("reducerd")
 MAX_OFFSET = 1 << 63
 INBAND_METADATA = ("reducer-errors", "inband")
 STALLED_AFTER_S = 5.0
-_END = object()
+END = object()
 
 
 class Observer(Protocol):
@@ -38,20 +38,22 @@ class Observer(Protocol):
     def delivered(self, d: Delivery) -> None: ...
 
 
-class _Stream:
-    """One Reduce call: its outbox and the chunks it still waits for."""
+class Stream:
+    """One Reduce call or data-plane connection: its outbox and the chunks it
+    still waits for. The outbox takes reply bytes, then END (end with OK) or
+    a (code, message) tuple (end with that status); only the loop thread puts."""
 
-    def __init__(self, peer: str, inband_errors: bool) -> None:
+    def __init__(self, peer: str, inband_errors: bool, outbox: Any = None) -> None:
         self.peer = peer
         self.inband_errors = inband_errors
-        self.outbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.outbox = asyncio.Queue() if outbox is None else outbox
         self.waiting: set[ChunkId] = set()
         self.half_closed = False
         self.last_message_s = time.monotonic()
 
     def maybe_finish(self) -> None:
         if self.half_closed and not self.waiting:
-            self.outbox.put_nowait(_END)
+            self.outbox.put_nowait(END)
 
 
 class _Throughput:
@@ -123,7 +125,9 @@ class ReducerService:
         self.table = table
         self.stalled_after_s = stalled_after_s
         self.observer = observer
-        self.streams: set[_Stream] = set()
+        self.streams: set[Stream] = set()
+        # The TCP data plane's port, set by the daemon when it serves one.
+        self.data_port = 0
         self.draining = False
         self.started_s = time.monotonic()
         self._throughput: dict[str, _Throughput] = {}
@@ -135,45 +139,26 @@ class ReducerService:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down")
         inband = INBAND_METADATA in tuple(context.invocation_metadata() or ())
-        stream = _Stream(context.peer(), inband)
+        stream = Stream(context.peer(), inband)
         self.streams.add(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
             while True:
                 item = await stream.outbox.get()
-                if item is _END:
+                if item is END:
                     return
                 if isinstance(item, tuple):  # (code, message): end the stream
                     await context.abort(*item)
                 yield item
         finally:
             reader.cancel()
-            self.streams.discard(stream)
-            self.table.drop_sink(stream)
+            self.close_stream(stream)
 
-    async def _read(self, request_iterator, stream: _Stream) -> None:
+    async def _read(self, request_iterator, stream: Stream) -> None:
         try:
             async for shard in request_iterator:
-                if isinstance(shard, DecodeError):
-                    stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
-                                              f"malformed Shard message: {shard}"))
+                if not self.accept(shard, stream):
                     return
-                problem = check_shard(shard)
-                if problem:
-                    stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
-                                              f"invalid shard (job {shard.job!r} key "
-                                              f"{shard.key!r} round {shard.round} rank "
-                                              f"{shard.rank}): {problem}"))
-                    return
-                self._note_job(shard)
-                if self.observer is not None:
-                    self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
-                cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
-                part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
-                                    shard.data, shard.layout)
-                stream.waiting.add(cid)
-                stream.last_message_s = time.monotonic()
-                self.deliver(self.table.contribute(cid, part, stream))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # e.g. bytes that are no Shard: end the call with why
@@ -183,6 +168,36 @@ class ReducerService:
             return
         stream.half_closed = True
         stream.maybe_finish()
+
+    def accept(self, shard: ShardView | DecodeError, stream: Stream) -> bool:
+        """Take one received message of `stream` (loop thread); False when it
+        ended the stream (a message that is no valid Shard)."""
+        if isinstance(shard, DecodeError):
+            stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"malformed Shard message: {shard}"))
+            return False
+        problem = check_shard(shard)
+        if problem:
+            stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"invalid shard (job {shard.job!r} key "
+                                      f"{shard.key!r} round {shard.round} rank "
+                                      f"{shard.rank}): {problem}"))
+            return False
+        self._note_job(shard)
+        if self.observer is not None:
+            self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
+        cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
+        part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
+                            shard.data, shard.layout)
+        stream.waiting.add(cid)
+        stream.last_message_s = time.monotonic()
+        self.deliver(self.table.contribute(cid, part, stream))
+        return True
+
+    def close_stream(self, stream: Stream) -> None:
+        """Forget a stream that ended (loop thread)."""
+        self.streams.discard(stream)
+        self.table.drop_sink(stream)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The reducer.v1.Reducer service with our own Shard codec."""
@@ -212,7 +227,7 @@ class ReducerService:
         for stream in list(self.streams):
             if not stream.waiting and now - stream.last_message_s >= idle_timeout_s:
                 stream.last_message_s = float("inf")  # end it once
-                stream.outbox.put_nowait(_END)
+                stream.outbox.put_nowait(END)
 
     def deliver(self, deliveries: list[Delivery]) -> None:
         """Put each delivery's reply into its streams' outboxes."""
@@ -228,7 +243,7 @@ class ReducerService:
                                  error_code=code.value[0] if code else 0,
                                  error_message=d.error_message)
             for sink in d.sinks:
-                stream: _Stream = sink  # type: ignore[assignment]
+                stream: Stream = sink  # type: ignore[assignment]
                 if code is not None and not stream.inband_errors:
                     stream.outbox.put_nowait((code, d.error_message))
                 else:
@@ -243,7 +258,9 @@ class ReducerService:
             bytes_held=self.table.bytes_held,
             max_inflight_bytes=self.table.max_inflight_bytes,
             open_streams=len(self.streams), stalled_after_s=self.stalled_after_s,
-            round_timeout_s=self.table.round_timeout_s)
+            round_timeout_s=self.table.round_timeout_s, data_port=self.data_port)
+        if request.brief:
+            return reply
         for name, stats in sorted(self.table.jobs.items()):
             if request.job and name != request.job:
                 continue

@@ -16,7 +16,7 @@ import numpy as np
 
 from reducer_client import wire
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client.env import local_settings_from_env, settings_from_env
+from reducer_client.env import data_plane_from_env, local_settings_from_env, settings_from_env
 from reducer_client.errors import ReducerError
 from reducer_client.layout import (
     DEFAULT_CHUNK_BYTES,
@@ -107,6 +107,10 @@ class ReducerClient:
 
     token: sent as `authorization: Bearer <token>`. tls: True for TLS with the
     system's roots, or a TLSConfig (own CA, client certificate for mutual TLS).
+    data_plane: "auto" sends shards over a daemon's TCP data plane where it
+    offers one (much cheaper than gRPC Python) and TLS is off, else through
+    gRPC; "tcp" or "grpc" insist on one (link.py). Default: REDUCER_DATA_PLANE,
+    else "auto".
 
     Node-local aggregation (node.py): when local_size > 1 workers share this
     host, they reduce together through shared memory and the node sends the
@@ -123,7 +127,7 @@ class ReducerClient:
                  token: str | None = None, chunk_bytes: int | None = None,
                  tls: TLSConfig | bool | None = None, *, local_rank: int | None = None,
                  local_size: int | None = None, node_local: bool | None = None,
-                 node_rank: int | None = None) -> None:
+                 node_rank: int | None = None, data_plane: str | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
         if not addresses:
@@ -156,7 +160,10 @@ class ReducerClient:
         credentials = channel_credentials(tls) if tls else None
         extra_options = ([("grpc.ssl_target_name_override", tls.server_name)]
                          if isinstance(tls, TLSConfig) and tls.server_name else [])
-        self._links = [DaemonLink(a, metadata, credentials, extra_options)
+        if data_plane is None:
+            data_plane = data_plane_from_env()
+        self._links = [DaemonLink(a, metadata, credentials, extra_options, token=token or "",
+                                  data_plane=data_plane)
                        for a in self.addresses]
         # _lock guards _rounds, _active and _closed (caller threads, the
         # reader threads via _retire/_forget, and the watchdog).
@@ -203,6 +210,11 @@ class ReducerClient:
             settings.setdefault("local_size", 1)
         settings.update(overrides)
         return cls(**settings)
+
+    @property
+    def transports(self) -> list[str | None]:
+        """Per daemon, what the last stream used: "tcp", "grpc", or None before any."""
+        return [link.transport for link in self._links]
 
     # -- public operations --------------------------------------------------
 

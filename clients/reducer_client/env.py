@@ -1,7 +1,8 @@
 """Client settings from the environment: the one place the core reads it.
 
 REDUCER_ADDRESSES (comma-separated HOST:PORT), REDUCER_JOB, REDUCER_TOKEN,
-REDUCER_WIRE_DTYPE, REDUCER_TIMEOUT (seconds), REDUCER_CHUNK_BYTES, TLS with
+REDUCER_WIRE_DTYPE, REDUCER_TIMEOUT (seconds), REDUCER_CHUNK_BYTES,
+REDUCER_DATA_PLANE (auto, tcp or grpc: how shards travel), TLS with
 REDUCER_TLS=1 (system roots) or REDUCER_TLS_CA / REDUCER_TLS_CERT /
 REDUCER_TLS_KEY / REDUCER_TLS_SERVER_NAME (files, name override); rank and
 world size from REDUCER_RANK / REDUCER_WORLD_SIZE, else the launcher's own:
@@ -25,7 +26,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env"]
+__all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env",
+           "data_plane_from_env"]
 
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -102,6 +104,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         settings["wire_dtype"] = environ["REDUCER_WIRE_DTYPE"]
     if environ.get("REDUCER_TIMEOUT"):
         settings["timeout"] = float(environ["REDUCER_TIMEOUT"])
+    if environ.get("REDUCER_DATA_PLANE"):
+        settings["data_plane"] = data_plane_from_env(environ)
     if environ.get("REDUCER_CHUNK_BYTES"):
         settings["chunk_bytes"] = _int(environ, "REDUCER_CHUNK_BYTES")
     tls_files = {field: environ.get(f"REDUCER_TLS_{name}") or None
@@ -115,3 +119,12 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         settings["tls"] = True
     settings.update(local_settings_from_env(environ))
     return settings
+
+
+def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """REDUCER_DATA_PLANE (auto, tcp or grpc), else "auto"."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("REDUCER_DATA_PLANE", "").strip().lower() or "auto"
+    if value not in ("auto", "tcp", "grpc"):
+        raise ValueError(f"REDUCER_DATA_PLANE must be auto, tcp or grpc, got {value!r}")
+    return value

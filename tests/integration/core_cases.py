@@ -79,7 +79,8 @@ def matrix_worker(rank: int, world_size: int, addresses: list[str], cases: list[
                     addresses, job=f"{job}-{wire_dtype}", rank=rank, world_size=world_size,
                     wire_dtype=wire_dtype, timeout=120)
             result = check_allreduce(client, 1234, case, numel, op, np.dtype(dtype))
-            results.append(result | {"wire_dtype": wire_dtype, "op": op, "numel": numel})
+            results.append(result | {"wire_dtype": wire_dtype, "op": op, "numel": numel,
+                                     "transports": client.transports})
     finally:
         for client in clients.values():
             client.close()

@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.reducer_client/_proto/reducer/v1/reducer.proto\x12\nreducer.v1\"\xef\x01\n\x05Shard\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12 \n\x05\x64type\x18\x07 \x01(\x0e\x32\x11.reducer.v1.DType\x12 \n\x02op\x18\x08 \x01(\x0e\x32\x14.reducer.v1.ReduceOp\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x12\n\nerror_code\x18\n \x01(\r\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\x04\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x80\x01\n\x0b\x43hunkStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x15\n\rmissing_ranks\x18\x06 \x03(\r\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\"\xe4\x01\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x18\n\x10\x63hunks_completed\x18\x02 \x01(\x04\x12\x15\n\rchunks_failed\x18\x03 \x01(\x04\x12\x13\n\x0bopen_chunks\x18\x04 \x01(\r\x12\x10\n\x08\x62ytes_in\x18\x05 \x01(\x04\x12\x11\n\tbytes_out\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_in_per_s\x18\x07 \x01(\x01\x12\x17\n\x0f\x62ytes_out_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bworld_sizes\x18\t \x03(\r\x12\x19\n\x11\x66irst_seen_unix_s\x18\n \x01(\x01\"\xf7\x01\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x12\n\nbytes_held\x18\x03 \x01(\x04\x12\x1a\n\x12max_inflight_bytes\x18\x04 \x01(\x04\x12\x14\n\x0copen_streams\x18\x05 \x01(\r\x12#\n\x04jobs\x18\x06 \x03(\x0b\x32\x15.reducer.v1.JobStatus\x12(\n\x07stalled\x18\x07 \x03(\x0b\x32\x17.reducer.v1.ChunkStatus\x12\x17\n\x0fstalled_after_s\x18\x08 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\t \x01(\x01*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03*L\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x11\n\rREDUCE_OP_SUM\x10\x01\x12\x12\n\x0eREDUCE_OP_MEAN\x10\x02\x32~\n\x07Reducer\x12\x32\n\x06Reduce\x12\x11.reducer.v1.Shard\x1a\x11.reducer.v1.Shard(\x01\x30\x01\x12?\n\tGetStatus\x12\x19.reducer.v1.StatusRequest\x1a\x17.reducer.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.reducer_client/_proto/reducer/v1/reducer.proto\x12\nreducer.v1\"\xef\x01\n\x05Shard\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12 \n\x05\x64type\x18\x07 \x01(\x0e\x32\x11.reducer.v1.DType\x12 \n\x02op\x18\x08 \x01(\x0e\x32\x14.reducer.v1.ReduceOp\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x12\n\nerror_code\x18\n \x01(\r\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\x04\"+\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x62rief\x18\x02 \x01(\x08\"\x80\x01\n\x0b\x43hunkStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x15\n\rmissing_ranks\x18\x06 \x03(\r\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\"\xe4\x01\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x18\n\x10\x63hunks_completed\x18\x02 \x01(\x04\x12\x15\n\rchunks_failed\x18\x03 \x01(\x04\x12\x13\n\x0bopen_chunks\x18\x04 \x01(\r\x12\x10\n\x08\x62ytes_in\x18\x05 \x01(\x04\x12\x11\n\tbytes_out\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_in_per_s\x18\x07 \x01(\x01\x12\x17\n\x0f\x62ytes_out_per_s\x18\x08 \x01(\x01\x12\x13\n\x0bworld_sizes\x18\t \x03(\r\x12\x19\n\x11\x66irst_seen_unix_s\x18\n \x01(\x01\"\x8a\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x12\n\nbytes_held\x18\x03 \x01(\x04\x12\x1a\n\x12max_inflight_bytes\x18\x04 \x01(\x04\x12\x14\n\x0copen_streams\x18\x05 \x01(\r\x12#\n\x04jobs\x18\x06 \x03(\x0b\x32\x15.reducer.v1.JobStatus\x12(\n\x07stalled\x18\x07 \x03(\x0b\x32\x17.reducer.v1.ChunkStatus\x12\x17\n\x0fstalled_after_s\x18\x08 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\t \x01(\x01\x12\x11\n\tdata_port\x18\n \x01(\r*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03*L\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x11\n\rREDUCE_OP_SUM\x10\x01\x12\x12\n\x0eREDUCE_OP_MEAN\x10\x02\x32~\n\x07Reducer\x12\x32\n\x06Reduce\x12\x11.reducer.v1.Shard\x1a\x11.reducer.v1.Shard(\x01\x30\x01\x12?\n\tGetStatus\x12\x19.reducer.v1.StatusRequest\x1a\x17.reducer.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'reducer_client._proto.reducer.v1.reducer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=946
-  _globals['_DTYPE']._serialized_end=1034
-  _globals['_REDUCEOP']._serialized_start=1036
-  _globals['_REDUCEOP']._serialized_end=1112
+  _globals['_DTYPE']._serialized_start=980
+  _globals['_DTYPE']._serialized_end=1068
+  _globals['_REDUCEOP']._serialized_start=1070
+  _globals['_REDUCEOP']._serialized_end=1146
   _globals['_SHARD']._serialized_start=63
   _globals['_SHARD']._serialized_end=302
   _globals['_STATUSREQUEST']._serialized_start=304
-  _globals['_STATUSREQUEST']._serialized_end=332
-  _globals['_CHUNKSTATUS']._serialized_start=335
-  _globals['_CHUNKSTATUS']._serialized_end=463
-  _globals['_JOBSTATUS']._serialized_start=466
-  _globals['_JOBSTATUS']._serialized_end=694
-  _globals['_STATUSREPLY']._serialized_start=697
-  _globals['_STATUSREPLY']._serialized_end=944
-  _globals['_REDUCER']._serialized_start=1114
-  _globals['_REDUCER']._serialized_end=1240
+  _globals['_STATUSREQUEST']._serialized_end=347
+  _globals['_CHUNKSTATUS']._serialized_start=350
+  _globals['_CHUNKSTATUS']._serialized_end=478
+  _globals['_JOBSTATUS']._serialized_start=481
+  _globals['_JOBSTATUS']._serialized_end=709
+  _globals['_STATUSREPLY']._serialized_start=712
+  _globals['_STATUSREPLY']._serialized_end=978
+  _globals['_REDUCER']._serialized_start=1148
+  _globals['_REDUCER']._serialized_end=1274
 # @@protoc_insertion_point(module_scope)

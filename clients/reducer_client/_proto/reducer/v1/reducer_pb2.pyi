@@ -56,10 +56,12 @@ class Shard(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., round: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., data: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., layout: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "brief")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    brief: bool
+    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ...) -> None: ...
 
 class ChunkStatus(_message.Message):
     __slots__ = ("job", "key", "round", "offset", "world_size", "missing_ranks", "age_s")
@@ -104,7 +106,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., chunks_completed: _Optional[int] = ..., chunks_failed: _Optional[int] = ..., open_chunks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bytes_in_per_s: _Optional[float] = ..., bytes_out_per_s: _Optional[float] = ..., world_sizes: _Optional[_Iterable[int]] = ..., first_seen_unix_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s")
+    __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s", "data_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,7 @@ class StatusReply(_message.Message):
     STALLED_FIELD_NUMBER: _ClassVar[int]
     STALLED_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     bytes_held: int
@@ -123,4 +126,5 @@ class StatusReply(_message.Message):
     stalled: _containers.RepeatedCompositeFieldContainer[ChunkStatus]
     stalled_after_s: float
     round_timeout_s: float
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bytes_held: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., open_streams: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., stalled: _Optional[_Iterable[_Union[ChunkStatus, _Mapping]]] = ..., stalled_after_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ...) -> None: ...
+    data_port: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bytes_held: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., open_streams: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., stalled: _Optional[_Iterable[_Union[ChunkStatus, _Mapping]]] = ..., stalled_after_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,196 @@
+"""The TCP data plane: Shard messages over a plain socket, beside gRPC.
+
+gRPC Python costs about a CPU-second per GB on each end (scripts/grpc_ceiling.py),
+more than the reduction itself. A daemon started with a data port (reducerd
+--data-listen; GetStatus reports it as `data_port`) also takes the very same
+Shard messages, in-band errors included, over TCP with this framing:
+
+    client -> daemon   MAGIC, then a HELLO frame (payload: the token, UTF-8,
+                       may be empty), then SHARD frames; closing its sending
+                       side is the half-close ("no more shards").
+    daemon -> client   SHARD frames (replies; failed chunks carry error_code),
+                       and last a STATUS frame (payload: uint32 gRPC status code,
+                       then the message, UTF-8) when the daemon ends the stream.
+    frame              uint8 kind, uint32 payload length (little-endian), payload.
+
+A connection that ends without a STATUS frame broke (UNAVAILABLE). gRPC keeps
+the control plane: health, GetStatus (which finds the data port) and the
+token check are the same; TLS clients use gRPC for data as well.
+
+This module holds the framing, shared with reducerd, and the client's side of
+one connection, used by reducer_client.link.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+
+import grpc
+import numpy as np
+
+from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
+
+__all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "FrameError", "StreamBroken",
+           "TcpStream", "frame_header", "read_frame", "status_frame", "parse_status"]
+
+MAGIC = b"RDCRDP01"
+HELLO, SHARD, STATUS = 1, 2, 3
+_HEADER = struct.Struct("<BI")
+_STATUS_CODE = struct.Struct("<I")
+MAX_HELLO_BYTES = 4096
+# Sends the header with the payload in one segment where the OS allows it.
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class FrameError(ValueError):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+class StreamBroken(Exception):
+    """A data-plane connection ended with a status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def frame_header(kind: int, length: int) -> bytes:
+    return _HEADER.pack(kind, length)
+
+
+def status_frame(code: grpc.StatusCode, message: str) -> bytes:
+    payload = _STATUS_CODE.pack(code.value[0]) + message.encode("utf-8", "replace")
+    return frame_header(STATUS, len(payload)) + payload
+
+
+def parse_status(payload: memoryview) -> tuple[grpc.StatusCode, str]:
+    if len(payload) < _STATUS_CODE.size:
+        raise FrameError(f"STATUS frame of {len(payload)} bytes")
+    (value,) = _STATUS_CODE.unpack_from(payload)
+    message = bytes(payload[_STATUS_CODE.size:]).decode("utf-8", "replace")
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN), message
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from the socket; False on a clean end of stream before any byte."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            if got:
+                raise ConnectionResetError(f"connection ended inside a frame ({got} of "
+                                           f"{len(view)} bytes)")
+            return False
+        got += n
+    return True
+
+
+def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, memoryview] | None:
+    """The next frame (kind, payload), or None at a clean end of stream.
+
+    The payload lands in a fresh uninitialised buffer, without copies: shard
+    data decoded from it stays a view into it.
+    """
+    header = bytearray(_HEADER.size)
+    if not recv_exactly(sock, memoryview(header)):
+        return None
+    kind, length = _HEADER.unpack(header)
+    if kind not in (HELLO, SHARD, STATUS):
+        raise FrameError(f"unknown frame kind {kind}")
+    if length > max_bytes:
+        raise FrameError(f"frame of {length} bytes is larger than the limit of "
+                         f"{max_bytes} bytes")
+    payload = np.empty(length, np.uint8).data
+    if not recv_exactly(sock, payload) and length:
+        raise ConnectionResetError("connection ended inside a frame")
+    return kind, payload
+
+
+def send_frame(sock: socket.socket, kind: int, payload: bytes | memoryview) -> None:
+    sock.sendall(frame_header(kind, len(payload)), _MSG_MORE)
+    sock.sendall(payload)
+
+
+class TcpStream:
+    """One client connection: shards from `requests`, replies by iteration.
+
+    connect() runs on the caller's thread; a sender thread then drains
+    `requests` (its end half-closes the connection), and iterating yields the
+    daemon's replies until it ends the stream with OK, or raises StreamBroken.
+    """
+
+    def __init__(self, host: str, port: int, token: str, requests: Iterable[bytes],
+                 max_message_bytes: int, connect_timeout_s: float = 5.0) -> None:
+        self.host, self.port = host, port
+        self._token = token
+        self._requests = requests
+        self._max_message_bytes = max_message_bytes
+        self._connect_timeout_s = connect_timeout_s
+        self._sock: socket.socket | None = None
+
+    def connect(self) -> None:
+        """Open the connection and say hello; OSError when the port is unreachable."""
+        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        token = self._token.encode()
+        sock.sendall(MAGIC + frame_header(HELLO, len(token)) + token)
+        self._sock = sock
+        threading.Thread(target=self._send, args=(sock,), daemon=True,
+                         name=f"reducer-tcp-send-{self.host}:{self.port}").start()
+
+    def _send(self, sock: socket.socket) -> None:
+        try:
+            for message in self._requests:
+                send_frame(sock, SHARD, message)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            _shutdown(sock)  # the reader sees the break and reports it
+
+    def __iter__(self) -> Iterator[ShardView]:
+        sock = self._sock
+        assert sock is not None, "connect() first"
+        where = f"data port {self.host}:{self.port}"
+        try:
+            while True:
+                try:
+                    frame = read_frame(sock, self._max_message_bytes)
+                except OSError as exc:
+                    raise StreamBroken(grpc.StatusCode.UNAVAILABLE,
+                                       f"{where}: connection broke ({exc})") from None
+                except FrameError as exc:
+                    raise StreamBroken(grpc.StatusCode.INTERNAL, f"{where}: {exc}") from None
+                if frame is None:
+                    raise StreamBroken(grpc.StatusCode.UNAVAILABLE,
+                                       f"{where}: the daemon closed the connection")
+                kind, payload = frame
+                if kind == STATUS:
+                    code, message = parse_status(payload)
+                    if code == grpc.StatusCode.OK:
+                        return
+                    raise StreamBroken(code, message)
+                if kind != SHARD:
+                    raise StreamBroken(grpc.StatusCode.INTERNAL,
+                                       f"{where}: unexpected frame kind {kind}")
+                try:
+                    reply = decode_shard(payload)
+                except DecodeError as exc:
+                    raise StreamBroken(grpc.StatusCode.INTERNAL,
+                                       f"{where}: malformed reply: {exc}") from None
+                yield reply
+        finally:
+            _shutdown(sock)
+            sock.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
