@@ -7,9 +7,13 @@ VENV := .venv
 VENV_MX := .venv-mxnet
 STAMP := $(VENV)/.installed
 STAMP_MX := $(VENV_MX)/.installed
+# The C conversions (setup.py): rebuilt in place when their source changes.
+FASTWIRE := clients/reducer_client/_fastwire.c
+BUILT := $(VENV)/.fastwire
+BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-mxnet test test-main test-mxnet demo proto lint clean
+.PHONY: all venv venv-mxnet build test test-main test-mxnet demo proto lint clean
 
 all: test
 
@@ -25,20 +29,29 @@ $(STAMP_MX): pyproject.toml
 	$(VENV_MX)/bin/pip install --quiet -e ".[mxnet,dev]"
 	touch $@
 
-venv: $(STAMP)
-venv-mxnet: $(STAMP_MX)
+$(BUILT): $(STAMP) $(FASTWIRE) setup.py
+	$(VENV)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+$(BUILT_MX): $(STAMP_MX) $(FASTWIRE) setup.py
+	$(VENV_MX)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+venv: $(BUILT)
+venv-mxnet: $(BUILT_MX)
+build: $(BUILT)
 
 test: test-main test-mxnet
 
-test-main: $(STAMP)
+test-main: $(BUILT)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
 # The core runs under numpy 1.23 here as well as numpy 2 in .venv.
-test-mxnet: $(STAMP_MX)
+test-mxnet: $(BUILT_MX)
 	$(VENV_MX)/bin/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/mxnet_shim \
 		-m "not slow"
 
-demo: $(STAMP)
+demo: $(BUILT)
 	$(VENV)/bin/python examples/demo.py
 
 proto: $(STAMP)
@@ -49,4 +62,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV_MX) .pytest_cache
+	rm -rf $(VENV) $(VENV_MX) .pytest_cache build clients/reducer_client/_fastwire*.so

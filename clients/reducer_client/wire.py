@@ -1,4 +1,11 @@
-"""Wire dtypes and their conversion to and from float32, with NumPy only.
+"""Wire dtypes and their conversion to and from float32.
+
+The conversions run in C (reducer_client._fastwire: F16C instructions where
+the CPU has them, no GIL) when the extension was built, which setup.py does
+wherever a C compiler is at hand; else in NumPy, as described below. Both
+give the same bits (NaN payloads aside, which stay NaN): which end has the
+extension never changes a result. REDUCER_WIRE_NUMPY=1 or use_accelerator(False)
+selects the NumPy code.
 
 NumPy has no bfloat16, so bfloat16 travels as uint16 bit patterns: the upper
 half of a float32. Widening is exact (shift left by 16); narrowing rounds to
@@ -13,6 +20,8 @@ millions of float32 patterns), rounding to nearest, ties to even.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -30,7 +39,28 @@ __all__ = [
     "bfloat16_bits_from_float32",
     "float16_bits_to_float32",
     "float32_to_float16_bits",
+    "accelerated",
+    "use_accelerator",
 ]
+
+try:
+    import reducer_client._fastwire as _fastwire
+except ImportError:  # built without a C compiler: NumPy does it all
+    _fastwire = None  # type: ignore[assignment]
+_fast = _fastwire if os.environ.get("REDUCER_WIRE_NUMPY", "") in ("", "0") else None
+
+
+def accelerated() -> bool:
+    """Whether the conversions run in C (reducer_client._fastwire)."""
+    return _fast is not None
+
+
+def use_accelerator(on: bool) -> bool:
+    """Use the C conversions (if built) or NumPy's; returns the previous choice."""
+    global _fast
+    previous = _fast is not None
+    _fast = _fastwire if on else None
+    return previous
 
 # Name used in the client API -> protobuf enum value.
 WIRE_DTYPES: dict[str, int] = {
@@ -158,6 +188,15 @@ def bfloat16_bits_from_float32(values: np.ndarray) -> np.ndarray:
 
 def to_wire(values: np.ndarray, dtype: int) -> np.ndarray:
     """Convert a flat float array to its wire representation (a new array)."""
+    fast = _fast
+    if fast is not None and dtype != pb.DTYPE_FLOAT32 and values.dtype == np.float32:
+        flat = np.ascontiguousarray(values).reshape(-1)
+        out = np.empty(flat.size, dtype=np.uint16)
+        if dtype == pb.DTYPE_BFLOAT16:
+            fast.f32_to_bf16(flat, out)
+            return out
+        fast.f32_to_f16(flat, out)
+        return out.view(np.float16)
     if dtype == pb.DTYPE_BFLOAT16:
         return bfloat16_bits_from_float32(values)
     if dtype == pb.DTYPE_FLOAT16 and values.dtype == np.float32:
@@ -175,6 +214,14 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
     """
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype)) if not isinstance(
         data, np.ndarray) else data
+    fast = _fast
+    if (fast is not None and dtype != pb.DTYPE_FLOAT32 and out.dtype == np.float32
+            and out.flags.c_contiguous and raw.flags.c_contiguous):
+        if dtype == pb.DTYPE_BFLOAT16:
+            fast.bf16_to_f32(raw, out)
+        else:
+            fast.f16_to_f32(raw, out)
+        return
     if dtype == pb.DTYPE_BFLOAT16:
         if out.dtype == np.float32:
             # Widen in place through the output's own bits: no temporary.
@@ -209,6 +256,13 @@ def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
     elements) when given, else into a temporary, then added.
     """
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
+    fast = _fast
+    if fast is not None and dtype != pb.DTYPE_FLOAT32 and acc.flags.c_contiguous:
+        if dtype == pb.DTYPE_BFLOAT16:
+            fast.bf16_add(acc, raw)
+        else:
+            fast.f16_add(acc, raw)
+        return
     if dtype != pb.DTYPE_FLOAT32:
         tmp = scratch[: acc.size] if scratch is not None else np.empty_like(acc)
         from_wire(raw, dtype, tmp)

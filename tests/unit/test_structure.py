@@ -32,3 +32,21 @@ def test_core_and_daemon_import_no_framework():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_c_conversions_are_built_and_current_where_a_compiler_is():
+    """setup.py builds reducer_client._fastwire optionally, so a failed build
+    would only make everything slower: fail here instead. A stale build (the
+    C file changed since) is caught too: `make` rebuilds it."""
+    import shutil
+
+    from reducer_client import wire
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the NumPy conversions are used")
+    assert wire.accelerated(), "reducer_client._fastwire is missing: run `make build`"
+    import reducer_client._fastwire as fastwire
+    source = ROOT / "clients/reducer_client/_fastwire.c"
+    built = Path(fastwire.__file__)
+    if built.is_relative_to(ROOT):
+        assert built.stat().st_mtime >= source.stat().st_mtime, (
+            f"{built.name} is older than _fastwire.c: run `make build`")

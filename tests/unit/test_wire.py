@@ -110,3 +110,82 @@ def test_float16_narrowing_matches_numpy_bit_for_bit():
     nan = np.isnan(cases)
     assert np.array_equal(got[~nan], expected[~nan])
     assert np.isnan(got[nan].view(np.float16)).all()
+
+
+# -- the C conversions (reducer_client._fastwire) against the NumPy ones ----------
+
+@pytest.fixture(params=["numpy", "c", "c-portable"])
+def codec(request):
+    """Run a test with each implementation of to_wire / from_wire / add_wire_into."""
+    if request.param == "numpy":
+        previous = wire.use_accelerator(False)
+        yield request.param
+        wire.use_accelerator(previous)
+        return
+    fastwire = pytest.importorskip("reducer_client._fastwire")
+    previous = wire.use_accelerator(True)
+    had_f16c = fastwire.set_f16c(request.param == "c")
+    yield request.param
+    fastwire.set_f16c(True)
+    wire.use_accelerator(previous)
+    del had_f16c
+
+
+def _awkward_float32(rng, count):
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    finite = every_half[np.isfinite(every_half)]
+    halfway = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    return np.concatenate([
+        rng.integers(0, 1 << 32, count, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        every_half, halfway, np.array([65504, 65520, 65536, 1e-8, 3e-8, -0.0],
+                                      dtype=np.float32)])
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16])
+def test_every_codec_narrows_to_the_same_bits(codec, dtype):
+    values = _awkward_float32(np.random.default_rng(11), 1_000_003)
+    got = wire.to_wire(values, dtype).view(np.uint16)
+    if dtype == BF16:
+        expected = _bf16_reference(values[:50_000])
+        assert np.array_equal(got[:50_000], expected)
+        assert (got != (values.view(np.uint32) >> 16)).any()  # some values rounded up
+    with np.errstate(all="ignore"):
+        reference = (values.astype(np.float16).view(np.uint16) if dtype == pb.DTYPE_FLOAT16
+                     else wire.bfloat16_bits_from_float32(values))
+    nan = np.isnan(values)
+    assert np.array_equal(got[~nan], reference[~nan])
+    if dtype == pb.DTYPE_FLOAT16:  # one canonical quiet NaN, sign kept
+        assert np.array_equal(got[nan], np.where(np.signbit(values[nan]), 0xFE00, 0x7E00))
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16])
+@pytest.mark.parametrize("misalign", [0, 1])
+def test_every_codec_widens_and_adds_every_pattern_exactly(codec, dtype, misalign):
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    message = bytes(misalign) + bits.tobytes()  # shard data sits anywhere in a message
+    data = memoryview(message)[misalign:]
+    got = np.empty(bits.size, dtype=np.float32)
+    wire.from_wire(data, dtype, got)
+    expected = (bits.view(np.float16).astype(np.float32) if dtype == pb.DTYPE_FLOAT16
+                else (bits.astype(np.uint32) << 16).view(np.float32))
+    nan = np.isnan(expected)
+    assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all()
+    acc = np.random.default_rng(3).standard_normal(bits.size).astype(np.float32)
+    want = acc.copy()
+    with np.errstate(all="ignore"):
+        want += expected
+    with np.errstate(all="ignore"):
+        wire.add_wire_into(acc, data, dtype, np.empty(bits.size, dtype=np.float32))
+    assert np.array_equal(acc[~nan], want[~nan])
+    assert np.isnan(acc[nan]).all()
+
+
+def test_c_codec_rejects_buffers_of_different_lengths():
+    fastwire = pytest.importorskip("reducer_client._fastwire")
+    with pytest.raises(ValueError, match="same number"):
+        fastwire.f32_to_f16(np.ones(4, np.float32), np.empty(3, np.uint16))
+    with pytest.raises(ValueError, match="same number"):
+        fastwire.f16_add(np.ones(4, np.float32), np.ones(5, np.float16))
+    with pytest.raises(TypeError):
+        fastwire.f16_to_f32(np.ones(4, np.float16), b"read-only destination")

@@ -1,0 +1,241 @@
+"""The TCP data plane beside gRPC: same results, same errors, clear refusals.
+
+Real daemons; workers are spawned processes, raw connections speak the
+framing of reducer_client.dataplane by hand.
+"""
+
+import socket
+import struct
+import time
+
+import grpc
+import numpy as np
+import pytest
+from core_cases import matrix_worker
+from reducer_client import ReducerClient, ReducerError
+from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_client.dataplane import HELLO, MAGIC, SHARD, STATUS, TcpStream
+from reducer_client.shardcodec import decode_shard, encode_shard
+from support import run_workers, start_daemon
+
+CASES = [(wire, op, numel, "float32")
+         for wire in ("float16", "bfloat16", "float32")
+         for op, numel in (("sum", 1001), ("mean", 3 << 20))]
+
+
+def data_port(address: str, token: str | None = None) -> int:
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ReducerStub(channel).GetStatus(
+            pb.StatusRequest(brief=True), metadata=metadata, timeout=5).data_port
+
+
+def bytes_held(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ReducerStub(channel).GetStatus(pb.StatusRequest(), timeout=5).bytes_held
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return struct.pack("<BI", kind, len(payload)) + payload
+
+
+def raw_session(address: str, payload: bytes, timeout: float = 10.0) -> list[tuple[int, bytes]]:
+    """Send `payload` on a fresh data connection, half-close, read every frame
+    until the daemon closes; the daemon must close within `timeout`."""
+    host, _, _ = address.rpartition(":")
+    frames = []
+    with socket.create_connection((host, data_port(address)), timeout=timeout) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        received = bytearray()
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    view = memoryview(received)
+    while len(view) >= 5:
+        kind, length = struct.unpack_from("<BI", view)
+        frames.append((kind, bytes(view[5:5 + length])))
+        view = view[5 + length:]
+    assert not len(view), f"{len(view)} trailing bytes"
+    return frames
+
+
+def status_of(frames):
+    kind, payload = frames[-1]
+    assert kind == STATUS, frames
+    (code,) = struct.unpack_from("<I", payload)
+    return code, payload[4:].decode()
+
+
+def shard_bytes(rank=0, world_size=1, key="k", values=(1.0, 2.0), **fields):
+    data = np.asarray(values, dtype="<f2").tobytes()
+    return encode_shard(**{"job": "raw", "rank": rank, "world_size": world_size, "key": key,
+                           "dtype": pb.DTYPE_FLOAT16, "op": pb.REDUCE_OP_SUM, "data": data,
+                           **fields})
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = start_daemon("--round-timeout", "3", "--max-message-bytes", "65536", log_dir=tmp_path)
+    yield d
+    d.stop()
+
+
+def test_tcp_grpc_and_numpy_codecs_give_the_same_bytes(tmp_path):
+    """Every combination of data plane and codec (C or NumPy, on the workers
+    and on the daemons) gives bit-identical results within the float64 bound.
+    Two workers: a + b == b + a, so arrival order cannot change the bits."""
+    digests = {}
+    for daemon_env in ({}, {"REDUCER_WIRE_NUMPY": "1"}):
+        daemons = [start_daemon(log_dir=tmp_path, env=daemon_env) for _ in range(2)]
+        try:
+            addresses = [d.address for d in daemons]
+            for plane, numpy_codec in (("tcp", "0"), ("grpc", "0"), ("tcp", "1")):
+                env = {"REDUCER_DATA_PLANE": plane, "REDUCER_WIRE_NUMPY": numpy_codec}
+                job = f"{plane}-{numpy_codec}"
+                results = run_workers(matrix_worker, 2, (addresses, CASES, job), env=env,
+                                      timeout=240)
+                for rank_results in results:
+                    for result in rank_results:
+                        assert result["ratio"] <= 1.0, result
+                        assert result["transports"] == [plane, plane]
+                label = (tuple(daemon_env), plane, numpy_codec)
+                digests[label] = [[r["digest"] for r in rank] for rank in results]
+        finally:
+            for d in daemons:
+                d.stop()
+    first = next(iter(digests.values()))
+    assert all(rank == first[0] for rank in first)
+    for label, got in digests.items():
+        assert got == first, label
+
+
+def test_status_reports_the_port_and_a_fixed_port_is_used(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = start_daemon("--data-listen", f"127.0.0.1:{port}", log_dir=tmp_path)
+    try:
+        assert data_port(d.address) == port
+        assert f"data plane on 127.0.0.1:{port}" in d.log()
+        with ReducerClient([d.address], job="j", rank=0, world_size=1) as client:
+            assert client.allreduce(np.arange(5, dtype=np.float32), "k").tolist() == [
+                0, 1, 2, 3, 4]
+            assert client.transports == ["tcp"]
+    finally:
+        d.stop()
+
+
+def test_off_means_grpc_for_auto_and_a_clear_error_for_tcp(tmp_path):
+    d = start_daemon("--data-listen", "off", log_dir=tmp_path)
+    try:
+        assert data_port(d.address) == 0
+        with ReducerClient([d.address], job="j", rank=0, world_size=1) as client:
+            assert client.allreduce(np.ones(3, dtype=np.float32), "k").tolist() == [1, 1, 1]
+            assert client.transports == ["grpc"]
+        with ReducerClient([d.address], job="j2", rank=0, world_size=1, timeout=20,
+                           data_plane="tcp") as client:
+            start = time.monotonic()
+            with pytest.raises(ReducerError) as info:
+                client.allreduce(np.ones(3, dtype=np.float32), "k")
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--data-listen" in str(info.value)
+            assert time.monotonic() - start < 5  # not retried until the timeout
+    finally:
+        d.stop()
+
+
+def test_unreachable_data_port_falls_back_to_grpc(daemon, monkeypatch, caplog):
+    def refuse(self):
+        raise ConnectionRefusedError(111, "Connection refused (test)")
+    monkeypatch.setattr(TcpStream, "connect", refuse)
+    with ReducerClient([daemon.address], job="j", rank=0, world_size=1) as client:
+        assert client.allreduce(np.ones(3, dtype=np.float32), "k").tolist() == [1, 1, 1]
+        assert client.transports == ["grpc"]
+    assert "unreachable" in caplog.text and "through gRPC" in caplog.text
+    with ReducerClient([daemon.address], job="j2", rank=0, world_size=1, timeout=1.5,
+                       data_plane="tcp") as client:
+        with pytest.raises(ReducerError) as info:
+            client.allreduce(np.ones(3, dtype=np.float32), "k")
+    assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert "Connection refused (test)" in str(info.value)
+
+
+def test_hello_must_carry_the_token(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    d = start_daemon("--auth-token-file", str(token_file), log_dir=tmp_path)
+    try:
+        port = data_port(d.address, token="s3cret")
+        assert port
+        host = d.address.rpartition(":")[0]
+        for token in (b"", b"wrong", b"s3cret\n"):
+            with socket.create_connection((host, port), timeout=10) as sock:
+                sock.sendall(MAGIC + frame(HELLO, token) + frame(SHARD, shard_bytes()))
+                sock.shutdown(socket.SHUT_WR)
+                received = b"".join(iter(lambda: sock.recv(1 << 16), b""))
+            assert received[0] == STATUS, received
+            code, message = struct.unpack_from("<I", received, 5)[0], received[9:].decode()
+            assert code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert "token" in message
+        with ReducerClient([d.address], job="j", rank=0, world_size=1,
+                           token="s3cret") as client:
+            assert client.allreduce(np.ones(2, dtype=np.float32), "k").tolist() == [1, 1]
+            assert client.transports == ["tcp"]
+        assert "s3cret" not in d.log()
+    finally:
+        d.stop()
+
+
+HELLO_OK = MAGIC + frame(HELLO, b"")
+
+
+@pytest.mark.parametrize("payload,code,words", [
+    (b"GET / HTTP/1.1\r\n\r\n", grpc.StatusCode.INVALID_ARGUMENT, "preface"),
+    (MAGIC + frame(SHARD, b""), grpc.StatusCode.INVALID_ARGUMENT, "HELLO"),
+    (HELLO_OK + struct.pack("<BI", SHARD, 1 << 20), grpc.StatusCode.INVALID_ARGUMENT,
+     "larger than the limit of 65536"),
+    (HELLO_OK + frame(9, b"x"), grpc.StatusCode.INVALID_ARGUMENT, "unknown frame kind 9"),
+    (HELLO_OK + frame(HELLO, b""), grpc.StatusCode.INVALID_ARGUMENT, "unexpected frame kind"),
+    (HELLO_OK + frame(SHARD, b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT,
+     "malformed Shard"),
+    (HELLO_OK + frame(SHARD, shard_bytes(job="")), grpc.StatusCode.INVALID_ARGUMENT,
+     "job is empty"),
+    (HELLO_OK + frame(SHARD, shard_bytes(rank=3, world_size=2)),
+     grpc.StatusCode.INVALID_ARGUMENT, "rank 3 is not below world_size 2"),
+])
+def test_bad_input_ends_the_connection_with_a_status_naming_it(daemon, payload, code, words):
+    frames = raw_session(daemon.address, payload)
+    got_code, message = status_of(frames)
+    assert got_code == code.value[0], (got_code, message)
+    assert words in message
+    assert bytes_held(daemon.address) == 0
+
+
+def test_in_band_errors_and_half_close(daemon):
+    """A failed chunk is a reply with error_code; the stream carries on, and a
+    half-close is answered with the open results, then STATUS OK."""
+    payload = HELLO_OK + frame(SHARD, shard_bytes(key="bad", world_size=2, values=(1.0, 2.0)))
+    payload += frame(SHARD, shard_bytes(key="bad", rank=1, world_size=2, values=(1.0,)))
+    payload += frame(SHARD, shard_bytes(key="good", values=(3.0, 4.0)))
+    frames = raw_session(daemon.address, payload)
+    assert status_of(frames) == (0, "")
+    assert all(kind == SHARD for kind, _ in frames[:-1])
+    replies = [decode_shard(p) for _, p in frames[:-1]]
+    bad = [r for r in replies if r.key == "bad"]
+    good = [r for r in replies if r.key == "good"]
+    assert len(bad) == 2 and len(good) == 1
+    assert np.frombuffer(good[0].data, "<f2").tolist() == [3.0, 4.0]
+    for reply in bad:  # 2 elements against 1 for one chunk: both ranks told, in-band
+        assert reply.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "rank" in reply.error_message
+
+
+def test_a_connection_cut_mid_frame_leaves_the_daemon_well(daemon):
+    host = daemon.address.rpartition(":")[0]
+    with socket.create_connection((host, data_port(daemon.address)), timeout=10) as sock:
+        sock.sendall(HELLO_OK + frame(SHARD, shard_bytes(world_size=2))[:-3])
+    time.sleep(0.2)
+    assert bytes_held(daemon.address) == 0  # the partial shard never reached the table
+    with ReducerClient([daemon.address], job="after", rank=0, world_size=1) as client:
+        assert client.allreduce(np.ones(4, dtype=np.float32), "k").tolist() == [1] * 4
