@@ -44,12 +44,13 @@ class _Operation:
     """
 
     def __init__(self, client: ReducerClient, key: str, round_: int, out: np.ndarray,
-                 shape: tuple[int, ...], dtype: int, chunks: Sequence[Chunk],
+                 result: np.ndarray, dtype: int, chunks: Sequence[Chunk],
                  deadline_s: float) -> None:
         self.future: Future[np.ndarray] = Future()
         self.future.set_running_or_notify_cancel()
         self.key, self.round = key, round_
-        self.out, self.shape, self.dtype = out, shape, dtype
+        # out: flat view of `result`, the array the future hands back.
+        self.out, self.result, self.dtype = out, result, dtype
         self.chunks = chunks
         self.deadline_s = deadline_s
         self.remaining = len(chunks)
@@ -76,7 +77,7 @@ class _Operation:
                 done = self.remaining == 0 and not self.future.done()
             if done:
                 self._finish()
-                self.future.set_result(self.out.reshape(self.shape))
+                self.future.set_result(self.result)
         return on_reply
 
     def fail(self, error: ReducerError) -> None:
@@ -218,21 +219,26 @@ class ReducerClient:
 
     # -- public operations --------------------------------------------------
 
-    def allreduce(self, array: np.ndarray, key: str, op: str = "sum") -> np.ndarray:
+    def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
+                  out: np.ndarray | None = None) -> np.ndarray:
         """Sum (or average) `array` over all workers; same dtype and shape back."""
-        return self.allreduce_async(array, key, op).result()
+        return self.allreduce_async(array, key, op, out=out).result()
 
-    def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum",
-                        ) -> Future[np.ndarray]:
+    def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
+                        out: np.ndarray | None = None) -> Future[np.ndarray]:
         """Start an allreduce; the future's result is the reduced array.
 
         The input is copied (converted to the wire dtype) before this returns,
         so the caller may reuse it at once. The future fails with ReducerError.
+        out: a writable C-contiguous array of the input's shape and dtype (it
+        may be `array` itself) that receives the result and is the future's
+        result, instead of a new array: no fresh pages to fault in per call.
+        Its contents are unspecified if the operation fails.
         """
         if op not in wire.WIRE_OPS:
             raise ValueError(f"op {op!r}: one of {', '.join(wire.WIRE_OPS)}")
         return self._start(array, key, wire.WIRE_DTYPES[self.wire_dtype],
-                           wire.WIRE_OPS[op], root_rank=None)
+                           wire.WIRE_OPS[op], root_rank=None, out=out)
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
         """Return root_rank's `array` on every worker.
@@ -274,13 +280,22 @@ class ReducerClient:
     # -- internals ----------------------------------------------------------
 
     def _start(self, array: np.ndarray, key: str, dtype: int, op: int,
-               root_rank: int | None) -> Future[np.ndarray]:
+               root_rank: int | None, out: np.ndarray | None = None) -> Future[np.ndarray]:
         if not isinstance(key, str) or not key:
             raise ValueError("key must be a non-empty string")
         array = np.asarray(array)
         if array.dtype not in _INPUT_DTYPES:
             raise TypeError(f"key {key!r}: dtype {array.dtype} is not supported; "
                             "use float16, float32 or float64")
+        if out is not None and not (
+                isinstance(out, np.ndarray) and out.shape == array.shape
+                and out.dtype == array.dtype and out.flags.c_contiguous
+                and out.flags.writeable):
+            raise ValueError(f"key {key!r}: out must be a writable C-contiguous array of "
+                             f"shape {array.shape} and dtype {array.dtype}, got "
+                             + (f"shape {out.shape}, dtype {out.dtype}, contiguous "
+                                f"{out.flags.c_contiguous}, writable {out.flags.writeable}"
+                                if isinstance(out, np.ndarray) else type(out).__name__))
         flat = np.ascontiguousarray(array).reshape(-1)
         with self._lock:
             if self._closed:
@@ -290,13 +305,13 @@ class ReducerClient:
         contributes = root_rank is None or root_rank == self.rank
         if self._node is not None:
             return self._node.reduce(flat if contributes else None, array.shape,
-                                     array.dtype, key, round_, dtype, op, root_rank)
+                                     array.dtype, key, round_, dtype, op, root_rank, out)
         if not contributes:
             flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
-        out = np.empty(flat.size, dtype=array.dtype)
+        result = np.empty(array.shape, dtype=array.dtype) if out is None else out
         chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
                              self._chunk_bytes_for(flat.size, dtype), key)
-        return self._send_chunks(flat, 0, out, array.shape, key,
+        return self._send_chunks(flat, 0, result.reshape(-1), result, key,
                                  round_, dtype, op, chunks, self.rank,
                                  self.world_size).future
 
@@ -313,7 +328,7 @@ class ReducerClient:
             self._chunk_bytes_for(values.size, dtype),
             f"{key}#{start}")]
         topology = self._node.topology
-        return self._send_chunks(values, start, out, out.shape, key,
+        return self._send_chunks(values, start, out, out, key,
                                  round_, dtype, op, chunks, topology.node, topology.nodes)
 
     def _chunk_bytes_for(self, numel: int, dtype: int) -> int:
@@ -323,17 +338,17 @@ class ReducerClient:
                                      self.chunk_bytes)
 
     def _send_chunks(self, values: np.ndarray, base: int, out: np.ndarray,
-                     shape: tuple[int, ...], key: str, round_: int, dtype: int, op: int,
+                     result: np.ndarray, key: str, round_: int, dtype: int, op: int,
                      chunks: Sequence[Chunk], rank: int, world_size: int) -> _Operation:
         """Send values[c.offset - base:] for every chunk c; replies fill out[c.offset:].
 
         Each chunk is converted to the wire dtype and queued on its own, so the
         first chunks are on the wire while later ones are still converted.
         """
-        operation = _Operation(self, key, round_, out, shape, dtype, chunks,
+        operation = _Operation(self, key, round_, out, result, dtype, chunks,
                                time.monotonic() + self.timeout)
         if not chunks:
-            operation.future.set_result(out.reshape(shape))
+            operation.future.set_result(result)
             return operation
         with self._lock:
             self._active[id(operation)] = operation

@@ -77,8 +77,10 @@ class _NodeOp:
     """One node-local reduction as this worker sees it; settled exactly once."""
 
     def __init__(self, key: str, round_: int, numel: int, shape: tuple[int, ...],
-                 out_dtype: np.dtype, dtype: int, op: int, deadline_s: float) -> None:
+                 out_dtype: np.dtype, dtype: int, op: int, deadline_s: float,
+                 out: np.ndarray | None = None) -> None:
         self.key, self.round, self.numel, self.shape = key, round_, numel, shape
+        self.out = out
         self.out_dtype, self.dtype, self.op = out_dtype, dtype, op
         self.deadline_s = deadline_s
         self.future: Future[np.ndarray] = Future()
@@ -133,17 +135,18 @@ class NodeGroup:
 
     def reduce(self, flat: np.ndarray | None, shape: tuple[int, ...], out_dtype: np.dtype,
                key: str, round_: int, dtype: int, op: int, root_rank: int | None,
-               ) -> Future[np.ndarray]:
+               out: np.ndarray | None = None) -> Future[np.ndarray]:
         """Reduce over the node, then over the nodes; flat=None contributes -0.0.
+        The result goes into `out` when given (checked by the client), else a new array.
 
         Blocks for one message round trip to the coordinator (it names the
         segment), writes the input there and returns: the input is copied.
         """
         numel = int(np.prod(shape, dtype=np.int64))
         node_op = _NodeOp(key, round_, numel, shape, out_dtype, dtype, op,
-                          time.monotonic() + self.timeout_s)
+                          time.monotonic() + self.timeout_s, out)
         if numel == 0:
-            node_op.future.set_result(np.empty(shape, dtype=out_dtype))
+            node_op.future.set_result(np.empty(shape, dtype=out_dtype) if out is None else out)
             return node_op.future
         with self._lock:
             dead = self._dead
@@ -324,8 +327,10 @@ class NodeGroup:
     def _finish(self, node_op: _NodeOp) -> None:
         """Copy the whole result out of the segment, free it, complete the future."""
         result = node_op.rows(self.topology.local_size)[-1]
-        out = np.empty(node_op.numel, dtype=node_op.out_dtype)
-        np.copyto(out, result, casting="unsafe")  # exact: float32 holds the wire value
+        out = (np.empty(node_op.shape, dtype=node_op.out_dtype) if node_op.out is None
+               else node_op.out)
+        # exact: float32 holds the wire value
+        np.copyto(out.reshape(-1), result, casting="unsafe")
         del result
         with self._lock:
             if node_op.settled:
@@ -333,7 +338,7 @@ class NodeGroup:
             node_op.settled = True
             self._ops.pop((node_op.key, node_op.round), None)
         self._send(["release", node_op.key, node_op.round])
-        node_op.future.set_result(out.reshape(node_op.shape))
+        node_op.future.set_result(out)
 
     def _fail(self, node_op: _NodeOp, error: ReducerError, tell: bool) -> None:
         """Settle with an error; tell=True also fails the op for the other local ranks."""

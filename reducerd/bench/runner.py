@@ -64,13 +64,16 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _daemon_efficiency(config: BenchConfig, daemons: list[Proc]) -> dict[str, float]:
-    """What the daemons received per CPU-second they used, over the whole sweep."""
+def _daemon_efficiency(config: BenchConfig, daemons: list[Proc],
+                       cpu_after_first_step: float) -> dict[str, float]:
+    """What the daemons received per CPU-second they used, from the end of the
+    sweep's first step (start-up, imports and connecting left out) to its end."""
     itemsize = 4 if config.wire_dtype == "float32" else 2
     steps = config.warmup + config.iters
     input_bytes = sum(size // 4 * itemsize * config.workers * steps
                       for size in config.sizes_bytes)
-    cpu_s = sum(_cpu_seconds(d.process.pid) for d in daemons)
+    input_bytes -= config.sizes_bytes[0] // 4 * itemsize * config.workers
+    cpu_s = sum(_cpu_seconds(d.process.pid) for d in daemons) - cpu_after_first_step
     return {"input_bytes": input_bytes, "cpu_s": round(cpu_s, 3),
             "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if cpu_s else 0.0}
 
@@ -83,10 +86,17 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
     steps = config.warmup + config.iters
     progress.update(task, description=f"{system}: starting")
 
+    daemon_cpu_s: list[float] = []  # the daemons' CPU time after the first step
+
     def on_event(proc: Proc, event: dict[str, Any]) -> None:
         if event["event"] == "size":
             per_rank[proc.rank].append(event)  # type: ignore[index]
         elif event["event"] == "iter" and proc.rank == 0:
+            if system == "reducerd" and not daemon_cpu_s:
+                try:
+                    daemon_cpu_s.append(sum(_cpu_seconds(d.process.pid) for d in helpers))
+                except (OSError, ValueError, IndexError):
+                    daemon_cpu_s.append(float("nan"))
             progress.update(task, advance=1, description=f"{system} "
                             f"{format_size(event['size_bytes'])} "
                             f"{event['iteration'] + 1}/{steps}")
@@ -94,9 +104,9 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
     run_id = f"{os.getpid()}-{time.monotonic_ns()}"
     workers, helpers = launch(system, config, placement, procs, run_id, mxnet_python)
     follow_workers(workers, helpers, config.stall_timeout_s, on_event)
-    if system == "reducerd" and stats is not None:
+    if system == "reducerd" and stats is not None and daemon_cpu_s:
         try:
-            stats["reducerd_daemons"] = _daemon_efficiency(config, helpers)
+            stats["reducerd_daemons"] = _daemon_efficiency(config, helpers, daemon_cpu_s[0])
         except (OSError, ValueError, IndexError):
             pass  # a daemon already gone: no figure
     return dict(per_rank)

@@ -173,3 +173,28 @@ def disagreeing_list_worker(rank: int, world_size: int, addresses: list[str]) ->
             return {"error": None}
         except ReducerError as exc:
             return {"error": (exc.code.name, str(exc)), "elapsed": time.monotonic() - start}
+
+
+def out_worker(rank: int, world_size: int, addresses: list[str], job: str,
+               node_local: bool) -> list[str]:
+    """allreduce(..., out=) into another array and in place equals a plain allreduce."""
+    local = {"local_rank": rank, "local_size": world_size} if node_local else {
+        "node_local": False}
+    with ReducerClient(addresses, job=job, rank=rank, world_size=world_size, timeout=60,
+                       **local) as client:
+        x = make_input(99, rank, 0, 300_003).reshape(3, -1)
+        plain = client.allreduce(x, key="plain")
+        out = np.full_like(x, np.nan)
+        into = client.allreduce(x, key="into", out=out)
+        assert into is out
+        inplace = x.copy()
+        assert client.allreduce(inplace, key="inplace", out=inplace) is inplace
+        for got in (into, inplace):
+            assert got.shape == plain.shape and np.array_equal(got, plain)
+        try:
+            client.allreduce(x, key="bad", out=np.empty(x.size, dtype=x.dtype))
+        except ValueError as exc:
+            assert "out must be" in str(exc) and "shape (3, 100001)" in str(exc)
+        else:
+            raise AssertionError("an out of the wrong shape was accepted")
+        return [hashlib.sha256(a.tobytes()).hexdigest() for a in (plain, into, inplace)]

@@ -7,7 +7,7 @@ or doubled contribution moves elements by O(1), far beyond it).
 """
 
 import pytest
-from core_cases import broadcast_worker, interleaved_worker, matrix_worker
+from core_cases import broadcast_worker, interleaved_worker, matrix_worker, out_worker
 from support import run_workers
 
 WIRES = ("float16", "bfloat16", "float32")
@@ -75,3 +75,10 @@ def test_broadcast_is_exact_from_a_non_zero_root(daemons):
         assert result == {"float32_exact": True, "float16_exact": True,
                           "float64_is_float32_rounding": True,
                           "dtypes": ["float16", "float32", "float64"]}
+
+
+@pytest.mark.parametrize("node_local", [False, True])
+def test_out_receives_the_result_also_in_place(daemons, node_local):
+    with daemons(2) as d:
+        results = run_workers(out_worker, 2, (d.addresses, f"out-{node_local}", node_local))
+    assert results[0] == results[1]
