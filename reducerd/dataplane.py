@@ -80,8 +80,13 @@ class DataPlane:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(128)
+        try:
+            listener.bind((host, port))
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            raise RuntimeError(f"data plane: cannot listen on {host}:{port}: "
+                               f"{exc.strerror or exc}") from None
         listener.settimeout(_ACCEPT_POLL_S)  # so stop() is seen without closing under accept
         self._listener = listener
         threading.Thread(target=self._accept_loop, daemon=True,
@@ -140,7 +145,11 @@ class DataPlane:
     def _handshake(self, sock: socket.socket) -> tuple[grpc.StatusCode, str] | None:
         """Read the preface and HELLO; why the client is refused, or None."""
         preface = bytearray(len(MAGIC))
-        if not recv_exactly(sock, memoryview(preface)) or preface != MAGIC:
+        try:
+            complete = recv_exactly(sock, memoryview(preface))
+        except FrameError:
+            complete = False
+        if not complete or preface != MAGIC:
             return (grpc.StatusCode.INVALID_ARGUMENT,
                     f"not a reducer data-plane client: expected the preface {MAGIC!r}")
         try:

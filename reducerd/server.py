@@ -83,8 +83,10 @@ class Daemon:
         cfg = self.config
         if cfg.metrics_address:
             self._start_metrics(cfg.metrics_address)
-        interceptors = []
         token = cfg.auth_token()
+        # Before the gRPC server exists: a taken data port stops us cleanly.
+        data_port = self._start_data_plane(token)
+        interceptors = []
         if token:
             interceptors.append(_TokenAuth(token))
         options = [
@@ -108,7 +110,6 @@ class Daemon:
             self.port = server.add_insecure_port(cfg.listen_address)
         await server.start()
         self._server = server
-        data_port = self._start_data_plane(token)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen_address.rpartition(":")[0]

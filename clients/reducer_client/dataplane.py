@@ -33,7 +33,7 @@ import numpy as np
 
 from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
 
-__all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "FrameError", "StreamBroken",
+__all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "FrameError", "TruncatedFrame", "StreamBroken",
            "TcpStream", "frame_header", "read_frame", "status_frame", "parse_status"]
 
 MAGIC = b"RDCRDP01"
@@ -48,6 +48,10 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 class FrameError(ValueError):
     """The peer sent something that is not a frame of this protocol."""
+
+
+class TruncatedFrame(FrameError):
+    """The peer closed its side in the middle of a frame."""
 
 
 class StreamBroken(Exception):
@@ -83,8 +87,8 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
         n = sock.recv_into(view[got:])
         if not n:
             if got:
-                raise ConnectionResetError(f"connection ended inside a frame ({got} of "
-                                           f"{len(view)} bytes)")
+                raise TruncatedFrame(f"connection ended inside a frame ({got} of "
+                                     f"{len(view)} bytes)")
             return False
         got += n
     return True
@@ -107,7 +111,7 @@ def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, memoryview] | 
                          f"{max_bytes} bytes")
     payload = np.empty(length, np.uint8).data
     if not recv_exactly(sock, payload) and length:
-        raise ConnectionResetError("connection ended inside a frame")
+        raise TruncatedFrame(f"connection ended inside a frame (0 of {length} bytes)")
     return kind, payload
 
 
@@ -161,7 +165,7 @@ class TcpStream:
             while True:
                 try:
                     frame = read_frame(sock, self._max_message_bytes)
-                except OSError as exc:
+                except (OSError, TruncatedFrame) as exc:  # the daemon went away
                     raise StreamBroken(grpc.StatusCode.UNAVAILABLE,
                                        f"{where}: connection broke ({exc})") from None
                 except FrameError as exc:

@@ -239,3 +239,19 @@ def test_a_connection_cut_mid_frame_leaves_the_daemon_well(daemon):
     assert bytes_held(daemon.address) == 0  # the partial shard never reached the table
     with ReducerClient([daemon.address], job="after", rank=0, world_size=1) as client:
         assert client.allreduce(np.ones(4, dtype=np.float32), "k").tolist() == [1] * 4
+
+
+def test_a_taken_data_port_stops_the_daemon_with_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "reducerd", "--listen", "127.0.0.1:0",
+                               "--data-listen", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert f"cannot serve: data plane: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,16 +1,18 @@
-"""Fuzzing the daemon's Reduce method with hypothesis, against a real daemon.
+"""Fuzzing the daemon's Reduce method and TCP data plane with hypothesis.
 
 Scenario: arbitrary Shard messages (valid, invalid, conflicting, repeated) and
-arbitrary raw bytes go to one daemon on many concurrent streams while a good
-job runs on the same daemon. Every stream must end with a status code within
-the round timeout (no hang), the daemon must stay up, the good job's results
-must be right, and once the fuzz chunks time out the daemon must hold no
-bytes for open chunks. REDUCER_FUZZ_EXAMPLES sets the number of examples per
-test (CI runs a bounded number; the issue's note reports a 10,000-case run).
+arbitrary raw bytes go to one daemon on many concurrent streams, through gRPC
+and as frames on the data plane, while a good job runs on the same daemon.
+Every stream must end with a status code within the round timeout (no hang),
+the daemon must stay up, the good job's results must be right, and once the
+fuzz chunks time out the daemon must hold no bytes for open chunks.
+REDUCER_FUZZ_EXAMPLES sets the number of examples per test (CI runs a bounded
+number; the issue's note reports a 10,000-case run).
 """
 
 import asyncio
 import os
+import struct
 import threading
 import time
 
@@ -22,6 +24,9 @@ from hypothesis import strategies as st
 from reducer_client import ReducerClient
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_client.dataplane import HELLO, MAGIC, SHARD, STATUS
+from reducer_client.link import status_code_from_value
+from reducer_client.shardcodec import decode_shard
 from support import start_daemon
 
 EXAMPLES = int(os.environ.get("REDUCER_FUZZ_EXAMPLES", "300"))
@@ -44,6 +49,10 @@ class FuzzLoop:
     """An asyncio loop on its own thread driving aio streams to the daemon."""
 
     def __init__(self, address):
+        with grpc.insecure_channel(address) as channel:
+            port = pb_grpc.ReducerStub(channel).GetStatus(
+                pb.StatusRequest(brief=True), timeout=5).data_port
+        self.data_address = (address.rpartition(":")[0], port)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -81,6 +90,30 @@ class FuzzLoop:
         except grpc.aio.AioRpcError as exc:
             return "raw", exc.code(), []
         return "raw", await call.code(), []
+
+    async def tcp(self, payload):
+        """Send `payload` on a data connection, half-close, read every frame."""
+        reader, writer = await asyncio.open_connection(*self.data_address)
+        try:
+            writer.write(payload)
+            await writer.drain()
+            writer.write_eof()
+            received = await asyncio.wait_for(reader.read(), ROUND_TIMEOUT_S + 20)
+        except ConnectionError as exc:
+            return "tcp", f"connection error {exc!r}", []
+        finally:
+            writer.close()
+        frames, view = [], memoryview(received)
+        while len(view) >= 5:
+            kind, length = struct.unpack_from("<BI", view)
+            frames.append((kind, bytes(view[5:5 + length])))
+            view = view[5 + length:]
+        if len(view) or not frames or frames[-1][0] != STATUS:
+            return "tcp", f"no STATUS frame at the end: {received[-40:]!r}", []
+        code = status_code_from_value(struct.unpack_from("<I", frames[-1][1])[0])
+        if not all(kind == SHARD for kind, _ in frames[:-1]):
+            return "tcp", "a frame other than SHARD before STATUS", []
+        return "tcp", code, [decode_shard(payload) for _, payload in frames[:-1]]
 
     def results(self, timeout):
         return [f.result(timeout) for f in self.futures]
@@ -150,11 +183,37 @@ def test_fuzz_raw_bytes(fuzz_target, payloads):
     fuzz_target[1].submit(fuzz_target[1].raw(payloads))
 
 
+def _frame(kind, payload):
+    return struct.pack("<BI", kind, len(payload)) + payload
+
+
+HELLO_OK = MAGIC + _frame(HELLO, b"")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(messages=st.lists(shards, min_size=1, max_size=6))
+def test_fuzz_shards_on_the_data_plane(fuzz_target, messages):
+    payload = HELLO_OK + b"".join(_frame(SHARD, m.SerializeToString()) for m in messages)
+    fuzz_target[1].submit(fuzz_target[1].tcp(payload))
+
+
+@settings(max_examples=EXAMPLES // 3, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(prefix=st.sampled_from([b"", MAGIC, HELLO_OK]),
+       frames=st.lists(st.tuples(st.integers(0, 4), st.binary(max_size=48)), max_size=3),
+       tail=st.binary(max_size=24))
+def test_fuzz_raw_bytes_on_the_data_plane(fuzz_target, prefix, frames, tail):
+    payload = prefix + b"".join(_frame(kind, data) for kind, data in frames) + tail
+    fuzz_target[1].submit(fuzz_target[1].tcp(payload))
+
+
 def test_fuzzed_daemon_is_healthy_correct_and_holds_nothing(fuzz_target):
     daemon, fuzz, good = fuzz_target
     results = fuzz.results(timeout=ROUND_TIMEOUT_S + 30)  # every stream ended
-    assert len(results) >= EXAMPLES
-    codes = {kind: {code for k, code, _ in results if k == kind} for kind in ("shards", "raw")}
+    assert len(results) >= 2 * EXAMPLES
+    codes = {kind: {code for k, code, _ in results if k == kind}
+             for kind in ("shards", "raw", "tcp")}
     assert grpc.StatusCode.INVALID_ARGUMENT in codes["shards"]
     # Every Shard gets a deliberate answer; undecodable bytes may also get
     # gRPC's own INTERNAL ("could not deserialize"). Never UNKNOWN (a crash).
@@ -162,6 +221,10 @@ def test_fuzzed_daemon_is_healthy_correct_and_holds_nothing(fuzz_target):
                                grpc.StatusCode.DEADLINE_EXCEEDED}, codes
     assert codes["raw"] <= {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                             grpc.StatusCode.INTERNAL}, codes
+    # The data plane ends every connection with a STATUS frame (errors of
+    # single chunks come back in-band) and answers bad bytes with why.
+    assert codes["tcp"] <= {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, codes
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes["tcp"]
     for _, _code, replies in results:  # in-band replies always name their chunk
         for reply in replies:
             assert reply.job and reply.key and (reply.error_code or reply.data)

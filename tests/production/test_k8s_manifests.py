@@ -167,6 +167,7 @@ def test_the_daemon_accepts_the_configmap_with_the_statefulset_arguments(tmp_pat
     ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
     assert int(effective["listen"].rpartition(":")[2]) == ports["grpc"]
     assert int(effective["metrics_listen"].rpartition(":")[2]) == ports["metrics"]
+    assert int(effective["data_listen"].rpartition(":")[2]) == ports["data"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert daemon[probe]["grpc"]["port"] == ports["grpc"], probe
     annotations = sts["spec"]["template"]["metadata"]["annotations"]
@@ -240,7 +241,7 @@ def test_the_job_scripts_run_against_daemons_with_the_configmap(tmp_path):
     # The configuration's fixed ports become free ones here (flags override the file).
     with running_daemons(2, "--config", str(config_file), "--auth-token-file",
                          str(token_file), "--metrics-listen", "127.0.0.1:0",
-                         log_dir=tmp_path) as daemons:
+                         "--data-listen", "auto", log_dir=tmp_path) as daemons:
         env = {**os.environ, "REDUCER_ADDRESSES": ",".join(daemons.addresses),
                "REDUCER_WORLD_SIZE": str(world_size), "REDUCER_JOB": job["metadata"]["name"],
                "REDUCER_TOKEN": TOKEN, "REDUCER_TIMEOUT": "20"}
