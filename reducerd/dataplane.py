@@ -9,8 +9,13 @@ writer thread per connection sends what the loop puts into the stream's
 outbox. Socket calls release the GIL, so receiving and sending run beside the
 sums, and no per-byte work happens in Python.
 
-A reader has at most _QUEUED_FRAMES shards waiting for the loop, so a client
-that sends faster than the daemon sums is slowed by TCP, not held in memory.
+Bounds, so that no client can hold the daemon's memory or threads for ever:
+- a reader has at most _QUEUED_FRAMES shards waiting for the loop, and pauses
+  while _UNSENT_FRAMES replies wait for its writer (a client that sends but
+  does not read is slowed by TCP, not buffered);
+- a send that makes no progress for `send_timeout_s` (the round timeout)
+  ends the connection, as does a handshake not done in _HANDSHAKE_TIMEOUT_S;
+- at most _MAX_CONNECTIONS connections at once; more are refused.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import queue
 import socket
+import struct
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import grpc
@@ -35,6 +41,7 @@ from reducer_client.dataplane import (
     recv_exactly,
     send_frame,
     status_frame,
+    tune_socket,
 )
 from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
 
@@ -45,6 +52,9 @@ __all__ = ["DataPlane"]
 log = logging.getLogger("reducerd")
 
 _QUEUED_FRAMES = 8
+_UNSENT_FRAMES = 64
+_HANDSHAKE_TIMEOUT_S = 10.0
+_MAX_CONNECTIONS = 4096
 # After the daemon's last frame, how long the client gets to close its side
 # (closing with unread input would reset the connection and lose that frame).
 _LINGER_S = 5.0
@@ -52,28 +62,61 @@ _ACCEPT_POLL_S = 0.5
 _GONE = object()  # the connection broke: the writer stops without a status
 
 
+class _Outbox:
+    """The writer's queue; any thread may put. Counts what is still unsent so
+    that the reader can pause while the client is not reading."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition()
+
+    def put_nowait(self, item: Any) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def get(self) -> Any:
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def wait_below(self, limit: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._items) < limit, timeout_s)
+
+
 class _Connection:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
-        self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=queue.SimpleQueue())
+        self.outbox = _Outbox()
+        self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox)
         self.credit = threading.Semaphore(_QUEUED_FRAMES)
         self.reader_done = threading.Event()
-        self.refused = False  # the stream is ending with an error: ignore later shards
+        self.writer_done = threading.Event()
+        self.registered = False  # a Stream of the service, with a writer thread
+        # Set on the loop thread once the stream is ending with an error:
+        # shards still queued for the loop are dropped.
+        self.refused = False
 
 
 class DataPlane:
     """Serves the data plane for `service` on its own threads."""
 
     def __init__(self, service: ReducerService, loop: asyncio.AbstractEventLoop,
-                 token: str | None, max_message_bytes: int) -> None:
+                 token: str | None, max_message_bytes: int,
+                 send_timeout_s: float = 60.0) -> None:
         self.service = service
         self.loop = loop
         self._token = token.encode() if token else None
         self.max_message_bytes = max_message_bytes
+        self._send_timeout_s = send_timeout_s
         self._listener: socket.socket | None = None
         self._connections: set[_Connection] = set()
-        self._lock = threading.Lock()  # guards _connections
-        self._stopped = threading.Event()
+        self._lock = threading.Lock()  # guards _connections, registration and _stopped
+        self._stopped = False
 
     def start(self, host: str, port: int) -> int:
         """Bind and start accepting; return the bound port."""
@@ -87,58 +130,103 @@ class DataPlane:
             listener.close()
             raise RuntimeError(f"data plane: cannot listen on {host}:{port}: "
                                f"{exc.strerror or exc}") from None
-        listener.settimeout(_ACCEPT_POLL_S)  # so stop() is seen without closing under accept
+        listener.settimeout(_ACCEPT_POLL_S)  # the accept loop sees stop() within this
         self._listener = listener
         threading.Thread(target=self._accept_loop, daemon=True,
                          name="reducerd-data-accept").start()
         return int(listener.getsockname()[1])
 
     def stop(self, message: str = "reducerd is shutting down") -> None:
-        """Stop accepting and end every connection with UNAVAILABLE (loop thread)."""
-        self._stopped.set()
+        """Stop accepting; end every connection, registered ones with UNAVAILABLE."""
         with self._lock:
+            self._stopped = True
             connections = list(self._connections)
         for conn in connections:
-            conn.stream.outbox.put_nowait((grpc.StatusCode.UNAVAILABLE, message))
-        if self._listener is not None:
-            self._listener.close()
+            if conn.registered:
+                conn.outbox.put_nowait((grpc.StatusCode.UNAVAILABLE, message))
+            else:  # still in its handshake: wake its reader
+                _shutdown(conn.sock, socket.SHUT_RDWR)
 
     def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopped.is_set():
+        listener = self._listener
+        assert listener is not None
+        while True:
             try:
-                sock, address = self._listener.accept()
+                sock, address = listener.accept()
             except TimeoutError:
+                if self._stopped:
+                    break
                 continue
-            except OSError:
-                if self._stopped.is_set():
-                    return
-                log.exception("data plane: accept failed")
+            except OSError as exc:  # e.g. out of file descriptors: do not spin
+                if self._stopped:
+                    break
+                log.warning("data plane: accept failed: %s", exc)
+                time.sleep(_ACCEPT_POLL_S)
                 continue
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn = _Connection(sock, f"{address[0]}:{address[1]}")
-            threading.Thread(target=self._read, args=(conn,), daemon=True,
-                             name=f"reducerd-data-read-{conn.stream.peer}").start()
+            with self._lock:
+                full = len(self._connections) >= _MAX_CONNECTIONS
+                if not full and not self._stopped:
+                    self._connections.add(conn)
+            if full or self._stopped:
+                threading.Thread(target=self._refuse, daemon=True, args=(
+                    sock, grpc.StatusCode.RESOURCE_EXHAUSTED if full
+                    else grpc.StatusCode.UNAVAILABLE,
+                    f"too many data connections ({_MAX_CONNECTIONS})" if full
+                    else "reducerd is shutting down")).start()
+                continue
+            try:
+                threading.Thread(target=self._read, args=(conn,), daemon=True,
+                                 name=f"reducerd-data-read-{conn.stream.peer}").start()
+            except RuntimeError as exc:  # no thread to be had
+                log.warning("data plane: dropping %s: %s", conn.stream.peer, exc)
+                self._forget(conn)
+                sock.close()
+        listener.close()
+
+    def _forget(self, conn: _Connection) -> None:
+        with self._lock:
+            self._connections.discard(conn)
 
     # -- the reader thread ---------------------------------------------------
 
     def _read(self, conn: _Connection) -> None:
         try:
+            tune_socket(conn.sock)
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 _timeval(self._send_timeout_s))
+            conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
             refusal = self._handshake(conn.sock)
+            if refusal is None:
+                with self._lock:  # stop() either sees the registration or refuses us
+                    conn.registered = not self._stopped
+                if not conn.registered:
+                    refusal = grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down"
             if refusal is not None:
+                self._forget(conn)
                 self._refuse(conn.sock, *refusal)
                 return
-            with self._lock:
-                self._connections.add(conn)
+            conn.sock.settimeout(None)  # reads wait for the client; sends have SO_SNDTIMEO
             self._call(self.service.streams.add, conn.stream)
             threading.Thread(target=self._write, args=(conn,), daemon=True,
                              name=f"reducerd-data-write-{conn.stream.peer}").start()
             self._read_shards(conn)
         except OSError as exc:
             log.debug("data connection %s broke: %r", conn.stream.peer, exc)
-            conn.stream.outbox.put_nowait(_GONE)
+            if conn.registered:
+                conn.outbox.put_nowait(_GONE)
+            else:
+                self._forget(conn)
+                conn.sock.close()
+        except Exception as exc:  # e.g. MemoryError: end the stream and say why
+            log.exception("data connection %s: reader failed", conn.stream.peer)
+            if conn.registered:
+                self._call(self._end, conn, grpc.StatusCode.INTERNAL,
+                           f"reducerd could not read the stream: {exc!r}")
+                _drop_input(conn.sock)
+            else:
+                self._forget(conn)
+                conn.sock.close()
         finally:
             conn.reader_done.set()
 
@@ -161,26 +249,28 @@ class DataPlane:
         if self._token is not None and not hmac.compare_digest(bytes(frame[1]), self._token):
             return (grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong token in the data-plane HELLO")
-        if self.service.draining or self._stopped.is_set():
+        if self.service.draining:
             return grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down"
         return None
 
     def _read_shards(self, conn: _Connection) -> None:
+        ending = False  # we asked the loop to end the stream: read and drop the rest
         while True:
             try:
                 frame = read_frame(conn.sock, self.max_message_bytes)
             except FrameError as exc:
                 # The byte stream cannot be followed any further: end with why.
                 self._call(self._end, conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                _drop_input(conn.sock)
                 return
             if frame is None:  # the client half-closed: answer what is open, then OK
                 self._call(self._half_close, conn)
                 return
             kind, payload = frame
-            if conn.refused:
+            if ending or conn.refused or conn.writer_done.is_set():
                 continue  # read and drop, so the client sees our status, not a reset
             if kind != SHARD:
-                conn.refused = True
+                ending = True
                 self._call(self._end, conn, grpc.StatusCode.INVALID_ARGUMENT,
                            f"unexpected frame kind {kind} after HELLO")
                 continue
@@ -189,17 +279,25 @@ class DataPlane:
                 shard = decode_shard(payload)
             except DecodeError as exc:
                 shard = exc
-            while not conn.credit.acquire(timeout=1.0):
-                if self._stopped.is_set():
-                    return
-            self._call(self._accept, conn, shard)
+            # Pause while the loop is behind or the client does not read its replies.
+            while not (conn.outbox.wait_below(_UNSENT_FRAMES, 1.0)
+                       and conn.credit.acquire(timeout=1.0)):
+                if conn.writer_done.is_set():
+                    break
+            else:
+                self._call(self._accept, conn, shard)
 
     def _refuse(self, sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
         log.info("data plane: refused %s: %s", _peer(sock), message)
         try:
+            sock.settimeout(_LINGER_S)
             sock.sendall(status_frame(code, message))
+            sock.shutdown(socket.SHUT_WR)
+            _drop_input(sock, _LINGER_S)
+        except OSError:
+            pass
         finally:
-            self._linger_close(sock, None)
+            sock.close()
 
     # -- on the loop thread --------------------------------------------------
 
@@ -213,12 +311,17 @@ class DataPlane:
         try:
             if not conn.refused and not self.service.accept(shard, conn.stream):
                 conn.refused = True
+        except Exception as exc:  # a bug must end this stream, not hang its client
+            log.exception("data connection %s: shard not taken", conn.stream.peer)
+            self._end(conn, grpc.StatusCode.INTERNAL, f"reducerd failed on a shard: {exc!r}")
         finally:
             conn.credit.release()
 
-    def _end(self, conn: _Connection, code: grpc.StatusCode, message: str) -> None:
-        conn.refused = True
-        conn.stream.outbox.put_nowait((code, message))
+    @staticmethod
+    def _end(conn: _Connection, code: grpc.StatusCode, message: str) -> None:
+        if not conn.refused:
+            conn.refused = True
+            conn.outbox.put_nowait((code, message))
 
     @staticmethod
     def _half_close(conn: _Connection) -> None:
@@ -228,10 +331,9 @@ class DataPlane:
     # -- the writer thread ---------------------------------------------------
 
     def _write(self, conn: _Connection) -> None:
-        outbox: Any = conn.stream.outbox
         try:
             while True:
-                item = outbox.get()
+                item = conn.outbox.get()
                 if item is _GONE:
                     break
                 if item is END:
@@ -241,33 +343,43 @@ class DataPlane:
                     conn.sock.sendall(status_frame(*item))
                     break
                 send_frame(conn.sock, SHARD, item)
-        except OSError as exc:
+        except OSError as exc:  # broken, or no progress for send_timeout_s
             log.debug("data connection %s broke while sending: %r", conn.stream.peer, exc)
         finally:
-            conn.refused = True
-            self._linger_close(conn.sock, conn.reader_done)
-            with self._lock:
-                self._connections.discard(conn)
+            conn.writer_done.set()
+            # Half-close, give the client time to read our last frame and close
+            # its side (the reader drains meanwhile), then close.
+            _shutdown(conn.sock, socket.SHUT_WR)
+            if not conn.reader_done.wait(_LINGER_S):
+                _shutdown(conn.sock, socket.SHUT_RDWR)
+                conn.reader_done.wait(_LINGER_S)
+            conn.sock.close()
+            self._forget(conn)
             self._call(self.service.close_stream, conn.stream)
 
-    @staticmethod
-    def _linger_close(sock: socket.socket, reader_done: threading.Event | None) -> None:
-        """Close after our last frame: half-close, give the client time to read it
-        and close its side (a reader, if any, drains meanwhile), then close."""
-        try:
-            sock.shutdown(socket.SHUT_WR)
-            if reader_done is None:
-                deadline = time.monotonic() + _LINGER_S
-                sock.settimeout(_LINGER_S)
-                while time.monotonic() < deadline and sock.recv(1 << 16):
-                    pass
-            elif not reader_done.wait(_LINGER_S):
-                sock.shutdown(socket.SHUT_RDWR)
-                reader_done.wait(_LINGER_S)
-        except OSError:
-            pass
-        finally:
-            sock.close()
+
+def _drop_input(sock: socket.socket, timeout_s: float | None = None) -> None:
+    """Read and drop until the client closes (or `timeout_s`, or the writer's
+    linger shuts the socket down)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while sock.recv(1 << 16):
+            if deadline is not None and time.monotonic() > deadline:
+                return
+    except OSError:
+        pass
+
+
+def _shutdown(sock: socket.socket, how: int) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
 
 
 def _peer(sock: socket.socket) -> str:

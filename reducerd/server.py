@@ -86,6 +86,15 @@ class Daemon:
         token = cfg.auth_token()
         # Before the gRPC server exists: a taken data port stops us cleanly.
         data_port = self._start_data_plane(token)
+        try:
+            return await self._start_grpc(token, data_port)
+        except BaseException:
+            if self.data_plane is not None:
+                self.data_plane.stop()
+            raise
+
+    async def _start_grpc(self, token: str | None, data_port: int) -> int:
+        cfg = self.config
         interceptors = []
         if token:
             interceptors.append(_TokenAuth(token))
@@ -125,7 +134,8 @@ class Daemon:
         if address is None:
             return 0
         self.data_plane = DataPlane(self.service, asyncio.get_running_loop(), token,
-                                    self.config.max_message_bytes)
+                                    self.config.max_message_bytes,
+                                    send_timeout_s=self.config.round_timeout_s)
         self.service.data_port = self.data_plane.start(*address)
         return self.service.data_port
 

@@ -41,7 +41,8 @@ class Observer(Protocol):
 class Stream:
     """One Reduce call or data-plane connection: its outbox and the chunks it
     still waits for. The outbox takes reply bytes, then END (end with OK) or
-    a (code, message) tuple (end with that status); only the loop thread puts."""
+    a (code, message) tuple (end with that status), put by the loop thread
+    (the data plane's reader also puts its own "connection broke" marker)."""
 
     def __init__(self, peer: str, inband_errors: bool, outbox: Any = None) -> None:
         self.peer = peer

@@ -34,7 +34,8 @@ import numpy as np
 from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "FrameError", "TruncatedFrame", "StreamBroken",
-           "TcpStream", "frame_header", "read_frame", "status_frame", "parse_status"]
+           "TcpStream", "frame_header", "read_frame", "send_frame", "status_frame",
+           "parse_status", "recv_exactly", "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
@@ -115,6 +116,19 @@ def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, memoryview] | 
     return kind, payload
 
 
+def tune_socket(sock: socket.socket) -> None:
+    """No Nagle delay; a peer that vanishes is noticed within about a minute,
+    idle (keepalive) or with data in flight (TCP_USER_TIMEOUT), where the OS
+    has these options."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", 60_000)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def send_frame(sock: socket.socket, kind: int, payload: bytes | memoryview) -> None:
     sock.sendall(frame_header(kind, len(payload)), _MSG_MORE)
     sock.sendall(payload)
@@ -141,8 +155,7 @@ class TcpStream:
         """Open the connection and say hello; OSError when the port is unreachable."""
         sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        tune_socket(sock)
         token = self._token.encode()
         sock.sendall(MAGIC + frame_header(HELLO, len(token)) + token)
         self._sock = sock
@@ -175,7 +188,10 @@ class TcpStream:
                                        f"{where}: the daemon closed the connection")
                 kind, payload = frame
                 if kind == STATUS:
-                    code, message = parse_status(payload)
+                    try:
+                        code, message = parse_status(payload)
+                    except FrameError as exc:
+                        raise StreamBroken(grpc.StatusCode.INTERNAL, f"{where}: {exc}") from None
                     if code == grpc.StatusCode.OK:
                         return
                     raise StreamBroken(code, message)

@@ -89,6 +89,7 @@ class DaemonLink:
         self._data_plane = "grpc" if credentials is not None else data_plane
         # What the current (or last) stream uses: "tcp" or "grpc"; None before the first.
         self.transport: str | None = None
+        self._warned_fallback = False
         options = [*_CHANNEL_OPTIONS, *extra_options]
         self._channel = (grpc.secure_channel(address, credentials, options) if credentials
                          else grpc.insecure_channel(address, options))
@@ -177,9 +178,11 @@ class DaemonLink:
                     if self._data_plane == "tcp":
                         raise StreamBroken(grpc.StatusCode.UNAVAILABLE, f"cannot connect to "
                                            f"data port {port}: {exc}") from None
-                    log.warning("daemon %s: data port %d unreachable (%s); sending data "
-                                "through gRPC", self.address, port, exc)
-                    self._data_plane = "grpc"
+                    # This stream goes through gRPC; the next one tries TCP again.
+                    if not self._warned_fallback:
+                        self._warned_fallback = True
+                        log.warning("daemon %s: data port %d unreachable (%s); sending "
+                                    "data through gRPC", self.address, port, exc)
             elif self._data_plane == "tcp":
                 raise StreamBroken(grpc.StatusCode.FAILED_PRECONDITION,
                                    "the daemon offers no TCP data plane (reducerd "

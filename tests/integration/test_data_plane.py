@@ -255,3 +255,59 @@ def test_a_taken_data_port_stops_the_daemon_with_a_clear_error(tmp_path):
     assert done.returncode == 1
     assert f"cannot serve: data plane: cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def open_streams(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ReducerStub(channel).GetStatus(pb.StatusRequest(brief=True),
+                                                      timeout=5).open_streams
+
+
+def test_shards_before_a_bad_frame_are_all_answered(daemon):
+    """The shards already read when a bad frame arrives still get their
+    replies, then the status; none is dropped (tried a few times: a race)."""
+    for attempt in range(5):
+        good = b"".join(frame(SHARD, shard_bytes(key=f"k{attempt}-{i}")) for i in range(6))
+        frames = raw_session(daemon.address, HELLO_OK + good + frame(HELLO, b""))
+        assert status_of(frames)[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        keys = sorted(decode_shard(p).key for _, p in frames[:-1])
+        assert keys == sorted(f"k{attempt}-{i}" for i in range(6)), frames
+
+
+def test_a_client_that_does_not_read_is_slowed_then_cut_off(daemon):
+    """Replies it does not read pause the daemon's reader (TCP pushes back, no
+    unbounded buffering); a send without progress for the round timeout (3 s
+    here) ends the connection and frees everything."""
+    host = daemon.address.rpartition(":")[0]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, data_port(daemon.address)))
+    sock.settimeout(2.0)
+    values = np.ones(16 << 10, dtype=np.float32)  # 32 KiB on the wire, answered at once
+    sent = 0
+    try:
+        sock.sendall(HELLO_OK)
+        for i in range(4000):  # 128 MiB of shards, if nothing pushed back
+            sock.sendall(frame(SHARD, shard_bytes(key=f"k{i}", values=values)))
+            sent += 1
+    except TimeoutError:
+        pass
+    assert 0 < sent < 4000  # the daemon stopped reading
+    assert open_streams(daemon.address) == 1
+    deadline = time.monotonic() + 3 + 5 + 5  # send timeout + linger + slack
+    while open_streams(daemon.address) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert open_streams(daemon.address) == 0
+    assert bytes_held(daemon.address) == 0
+    sock.close()
+    with ReducerClient([daemon.address], job="after", rank=0, world_size=1) as client:
+        assert client.allreduce(np.ones(4, dtype=np.float32), "k").tolist() == [1] * 4
+
+
+def test_a_connection_that_never_says_hello_is_closed(daemon):
+    host = daemon.address.rpartition(":")[0]
+    with socket.create_connection((host, data_port(daemon.address)), timeout=20) as sock:
+        sock.sendall(MAGIC[:3])
+        start = time.monotonic()
+        assert sock.recv(1 << 16) == b""  # closed by the daemon, not by us
+        assert time.monotonic() - start < 15  # the 10 s handshake timeout
