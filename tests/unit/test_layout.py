@@ -55,8 +55,8 @@ def test_default_chunks_leave_every_daemon_several_to_pipeline():
 
     mib = 1 << 20
     assert pipelined_chunk_bytes(64 * mib, 2) == mib  # large keys: the 1 MiB ceiling
-    assert pipelined_chunk_bytes(8 * mib, 4) == mib // 4  # 8 chunks per daemon
+    assert pipelined_chunk_bytes(8 * mib, 4) == mib // 8  # 16 chunks per daemon
     assert pipelined_chunk_bytes(1000, 4) == MIN_CHUNK_BYTES  # small keys: one chunk
     assert pipelined_chunk_bytes(8 * mib, 4, max_chunk_bytes=1024) == 1024
     chunks = plan_chunks(4 * mib, 2, 4, pipelined_chunk_bytes(8 * mib, 4), "k")
-    assert len(chunks) == 32
+    assert len(chunks) == 64
