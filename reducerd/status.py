@@ -110,7 +110,7 @@ def reply_to_dict(reply: pb.StatusReply, address: str = "") -> dict[str, Any]:
         "address": address, "version": reply.version, "uptime_s": reply.uptime_s,
         "bytes_held": reply.bytes_held, "max_inflight_bytes": reply.max_inflight_bytes,
         "open_streams": reply.open_streams, "stalled_after_s": reply.stalled_after_s,
-        "round_timeout_s": reply.round_timeout_s,
+        "round_timeout_s": reply.round_timeout_s, "data_port": reply.data_port,
         "jobs": [{"job": j.job, "world_sizes": list(j.world_sizes),
                   "open_chunks": j.open_chunks, "chunks_completed": j.chunks_completed,
                   "chunks_failed": j.chunks_failed, "bytes_in": j.bytes_in,
@@ -128,7 +128,8 @@ def render(reply: pb.StatusReply, address: str) -> Group:
     header = Text.assemble(
         (f"reducerd {reply.version}", "bold"), f" at {address}  ·  up {_duration(reply.uptime_s)}"
         f"  ·  {reply.open_streams} stream(s)  ·  held {_bytes(reply.bytes_held)} of "
-        f"{_bytes(reply.max_inflight_bytes)}  ·  round timeout {reply.round_timeout_s:g} s")
+        f"{_bytes(reply.max_inflight_bytes)}  ·  round timeout {reply.round_timeout_s:g} s"
+        f"  ·  data port {reply.data_port or 'off'}")
     jobs = Table(title="Jobs", title_justify="left", expand=False)
     for name, justify in (("job", "left"), ("world", "right"), ("open chunks", "right"),
                           ("completed", "right"), ("failed", "right"), ("in", "right"),

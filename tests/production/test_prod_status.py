@@ -55,6 +55,7 @@ def test_status_json(daemon, capsys):
     assert stalled["job"] == "stuck" and stalled["key"] == "w" and stalled["round"] == 4
     assert stalled["missing_ranks"] == [1, 2] and stalled["age_s"] >= 0.3
     assert reply["stalled_after_s"] == 0.3 and reply["address"] == daemon.address
+    assert reply["data_port"] > 0  # the data plane is on by default
 
 
 def test_status_table(daemon, capsys):
@@ -64,7 +65,7 @@ def test_status_table(daemon, capsys):
     out = capsys.readouterr().out
     assert "Jobs" in out and "Stalled rounds (open longer than 0.3 s)" in out
     assert "stuck" in out and "fine" in out and "1-2 of 3" in out
-    assert f"at {daemon.address}" in out
+    assert f"at {daemon.address}" in out and "data port " in out
 
 
 def test_status_without_token_says_so(daemon, capsys):
