@@ -81,11 +81,16 @@ def parse_status(payload: memoryview) -> tuple[grpc.StatusCode, str]:
     return _CODES.get(value, grpc.StatusCode.UNKNOWN), message
 
 
+# Blocking sockets wait in the kernel for the whole request (one call per
+# frame part, not one per arriving packet); elsewhere it is a plain recv.
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
 def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from the socket; False on a clean end of stream before any byte."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, _WAITALL)
         if not n:
             if got:
                 raise TruncatedFrame(f"connection ended inside a frame ({got} of "
