@@ -1,10 +1,11 @@
-"""One daemon: a long-lived channel and a bidirectional Reduce stream.
+"""One daemon: a long-lived channel and one stream of shards at a time.
 
-Shards go out through a queue that gRPC drains on its own thread, replies come
-back on a reader thread, so sending and receiving overlap and any number of
-chunks can be in flight. Replies are matched to waiting chunks by
-(key, round, offset); the daemon reports a failed chunk in-band (we ask for
-that with call metadata) so one bad chunk does not end the stream.
+Shards go out through a queue that a sender thread drains (gRPC's own, or the
+data plane's), replies come back on a reader thread, so sending and receiving
+overlap and any number of chunks can be in flight. Replies are matched to
+waiting chunks by (key, round, offset); the daemon reports a failed chunk
+in-band (on gRPC we ask for that with call metadata) so one bad chunk does not
+end the stream.
 
 Transport: where the daemon offers a TCP data plane (GetStatus.data_port,
 reducer_client.dataplane) and TLS is off, the same messages go over a plain
