@@ -79,6 +79,11 @@ def test_print_config_round_trips_every_kind_of_value(tmp_path):
     ('listen = "127.0.0.1:1"\nauth_token_file = "/nonexistent/token"\n', "auth_token_file"),
     ('listen = "127.0.0.1:1"\ntls_cert = "/etc/hostname"\n', "tls_cert and tls_key"),
     ('listen = "127.0.0.1:1"\ndrain_grace = true\n', "drain_grace"),
+    ('listen = "127.0.0.1:1"\nbogus = 1\n', "unknown key 'bogus'"),
+    ('listen = "127.0.0.1:1"\nround_timeout = "soon"\n', "round_timeout"),
+    ('listen = "nohostport"\n', "HOST:PORT"),
+    ('listen = "127.0.0.1:1"\nround_timeout = -1\n', "round_timeout_s: must be > 0"),
+    ('listen = ', "not valid TOML"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, toml, message):
     path = tmp_path / "bad.toml"
