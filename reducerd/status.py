@@ -161,14 +161,23 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
+def _open(prog: str, argv: list[str] | None, live: bool,
+          ) -> tuple[argparse.Namespace, _Client] | None:
+    """Parse the command line and connect; None (after saying why) if a file is unreadable."""
+    args = _parser(prog, live=live).parse_args(argv)
+    try:
+        return args, _Client(args)
+    except OSError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`reducerd status`: print the status once, as a table or JSON."""
-    args = _parser("reducerd status", live=False).parse_args(argv)
-    try:
-        client = _Client(args)
-    except OSError as exc:
-        print(f"reducerd status: {exc}", file=sys.stderr)
+    opened = _open("reducerd status", argv, live=False)
+    if opened is None:
         return 2
+    args, client = opened
     try:
         reply = client.fetch()
         if args.sample > 0:
@@ -188,12 +197,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def top_main(argv: list[str] | None = None) -> int:
     """`reducerd top`: the status, refreshed every --interval until Ctrl-C."""
-    args = _parser("reducerd top", live=True).parse_args(argv)
-    try:
-        client = _Client(args)
-    except OSError as exc:
-        print(f"reducerd top: {exc}", file=sys.stderr)
+    opened = _open("reducerd top", argv, live=True)
+    if opened is None:
         return 2
+    args, client = opened
     count = 0
     try:
         with Live(Text("connecting to " + args.address), console=_console(),
