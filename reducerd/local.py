@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DaemonProcess", "Daemons", "start_daemon", "running_daemons"]
+__all__ = ["DaemonProcess", "Daemons", "start_daemon", "running_daemons", "LISTEN_RE"]
 
-_LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
+LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
 
 
 @dataclass
@@ -61,7 +61,7 @@ def start_daemon(*args: str, log_dir: Path | None = None, port: int = 0,
     log_file.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        match = _LISTEN_RE.search(log_path.read_text(errors="replace"))
+        match = LISTEN_RE.search(log_path.read_text(errors="replace"))
         if match:
             return DaemonProcess(process, f"127.0.0.1:{match.group(2)}", log_path)
         if process.poll() is not None:

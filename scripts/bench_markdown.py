@@ -12,10 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+from reducerd.bench.figures import time_ratios
+from reducerd.bench.units import format_ms
 
 
 def _mib(value: float | None) -> str:
@@ -37,8 +35,7 @@ def table(path: Path) -> str:
     daemons = config.get("reducerd_daemons") or {}
     title = (f"**N={config['workers']}, D={config['daemons']}, {where}** (`{path.name}`; "
              f"daemons: {daemons.get('input_GB_per_cpu_s', 0):.2f} GB of input per CPU-second)")
-    reducerd = {r["size_bytes"]: r["time_s"]["median"] for r in results
-                if r["system"] == "reducerd"}
+    ratios = time_ratios(results)
     if emulated:
         lines = ["| size | system | median ms | reducerd / this | sent per worker | theory "
                  "| line-rate bound ms | time / bound |", "|---|---|---|---|---|---|---|---|"]
@@ -47,14 +44,14 @@ def table(path: Path) -> str:
                  "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["size_bytes"], r["system"] != "reducerd")):
         median = r["time_s"]["median"]
-        ratio = ("" if r["system"] == "reducerd" or r["size_bytes"] not in reducerd
-                 else f"{reducerd[r['size_bytes']] / median:.2f}x")
-        cells = [_size(r["size_bytes"]), r["system"], _ms(median)]
+        key = (r["system"], r["size_bytes"])
+        ratio = "" if r["system"] == "reducerd" or key not in ratios else f"{ratios[key]:.2f}x"
+        cells = [_size(r["size_bytes"]), r["system"], format_ms(median)]
         if emulated:
             bound = r.get("line_rate_bound_s")
             cells += [ratio, _mib(r.get("bytes_sent_per_worker")),
                       _mib(r.get("theory_bytes_per_worker")),
-                      _ms(bound) if bound else "", f"{median / bound:.2f}" if bound else ""]
+                      format_ms(bound) if bound else "", f"{median / bound:.2f}" if bound else ""]
         else:
             cells += [f"{r['algbw_GBps']:.3g}", ratio]
         lines.append("| " + " | ".join(cells) + " |")

@@ -47,7 +47,9 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=1_000_000)
     args = parser.parse_args()
     from core_cases import make_input
-    from support import run_workers, running_daemons
+    from support import run_workers
+
+    from reducerd.local import running_daemons
 
     with running_daemons(2) as daemons:
         results = run_workers(worker, args.workers, (daemons.addresses, args.numel),

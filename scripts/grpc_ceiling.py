@@ -20,9 +20,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from pathlib import Path
 
 import grpc
+
+from reducerd.bench.procs import cpu_seconds
 
 METHOD = "/echo.Echo/Stream"
 
@@ -74,11 +75,6 @@ def client(port: int, mib: int, message_kib: int, rounds: int, barrier, out: mp.
             times.append(time.perf_counter() - start)
             assert received == count * len(payload)
     out.put(times)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -67,11 +67,10 @@ def worker(job: int, rank: int, world: int, addresses: list[str], stop_at: float
 
 
 def run(duration_s: float, workers: int, daemons: int, warmup_s: float) -> dict:
-    from reducerd.local import start_daemon
+    from reducerd.local import running_daemons
 
-    procs = [start_daemon("--round-timeout", "60") for _ in range(daemons)]
-    try:
-        addresses = [d.address for d in procs]
+    with running_daemons(daemons, "--round-timeout", "60") as started:
+        procs, addresses = started.processes, started.addresses
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         start = time.time()
@@ -88,9 +87,6 @@ def run(duration_s: float, workers: int, daemons: int, warmup_s: float) -> dict:
         rss_end = [rss_bytes(d.process.pid) for d in procs]
         for child in children:
             child.join(30)
-    finally:
-        for d in procs:
-            d.stop()
     latencies = np.array([x for r in collected for x in r[3]]) * 1e3
     errors = [e for r in collected for e in r[4]]
     return {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +62,6 @@ class BenchConfig:
     def mxnet_dtype(self) -> str:
         """ps-lite pushes the wire precision we compare at (it has no bfloat16)."""
         return "float16" if self.wire_dtype == "float16" else "float32"
-
-    def replace(self, **changes) -> BenchConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def systems_for(words: list[str]) -> tuple[str, ...]:

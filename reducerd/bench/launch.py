@@ -16,6 +16,7 @@ from pathlib import Path
 from reducerd.bench.config import BenchConfig
 from reducerd.bench.netns import Cluster, Host, loopback_host
 from reducerd.bench.procs import Proc, ProcessSet, wait_for_log
+from reducerd.local import LISTEN_RE
 
 __all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
 
@@ -97,8 +98,8 @@ def _launch_reducerd(config: BenchConfig, placement: Placement, procs: ProcessSe
                              "--drain-grace", "2"])
         daemons.append(procs.start(f"reducerd-daemon{i}", argv, {}))
     for host, daemon in zip(placement.daemons, daemons, strict=True):
-        match = wait_for_log(daemon, r"listening on \S+:(\d+)", _READY_TIMEOUT_S)
-        addresses.append(f"{host.address}:{match.group(1)}")
+        match = wait_for_log(daemon, LISTEN_RE.pattern, _READY_TIMEOUT_S)
+        addresses.append(f"{host.address}:{match.group(2)}")
     workers = _start_workers(
         "reducerd", sys.executable, config, placement, procs,
         lambda rank, host: _local_env(rank, placement), addresses=addresses,

@@ -139,10 +139,10 @@ class Cluster:
     """Namespaces for `nodes` worker nodes and `daemons` daemon hosts; see the module doc."""
 
     def __init__(self, rate: str, rate_bytes_per_s: float, nodes: int, daemons: int,
-                 delay_s: float = 0.0, mtu: int = 9000, run_id: int | None = None) -> None:
+                 delay_s: float = 0.0, mtu: int = 9000) -> None:
         self.rate, self.rate_bytes_per_s, self.delay_s = rate, rate_bytes_per_s, delay_s
         self.mtu = mtu
-        self.run_id = os.getpid() if run_id is None else run_id
+        self.run_id = os.getpid()
         self.switch = f"{PREFIX}{self.run_id}-sw"
         self.nodes = [self._host(f"n{k}", f"198.18.0.{k + 1}") for k in range(nodes)]
         self.daemons = [self._host(f"d{i}", f"198.18.1.{i + 1}") for i in range(daemons)]
@@ -150,10 +150,6 @@ class Cluster:
 
     def _host(self, short: str, address: str) -> Host:
         return Host(short, f"{PREFIX}{self.run_id}-{short}", address, "eth0")
-
-    @property
-    def namespaces(self) -> list[str]:
-        return [self.switch] + [h.netns for h in self.nodes + self.daemons if h.netns]
 
     def create(self) -> None:
         """Build everything; on any failure remove what was built and raise NetnsError."""

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from reducerd.bench.worker import MARKER
 
-__all__ = ["Proc", "ProcessSet", "SystemFailed", "follow_workers", "wait_for_log"]
+__all__ = ["Proc", "ProcessSet", "SystemFailed", "follow_workers", "wait_for_log",
+           "cpu_seconds"]
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -96,6 +97,12 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
         process.send_signal(sig)
     except ProcessLookupError:
         pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for_log(proc: Proc, pattern: str, timeout_s: float) -> re.Match:

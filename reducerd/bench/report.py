@@ -14,13 +14,9 @@ from rich.table import Table
 from reducerd import __version__
 from reducerd.bench.config import BenchConfig
 from reducerd.bench.figures import time_ratios
-from reducerd.bench.units import format_bytes, format_size
+from reducerd.bench.units import format_bytes, format_ms, format_size
 
 __all__ = ["render_table", "config_record", "write_json", "write_plot"]
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}" if seconds < 1 else f"{seconds * 1e3:.0f}"
 
 
 def render_table(console: Console, config: BenchConfig, results: list[dict[str, Any]]) -> None:
@@ -44,18 +40,20 @@ def render_table(console: Console, config: BenchConfig, results: list[dict[str, 
                          no_wrap=True)
     ratios = time_ratios(results)
     previous_size = None
-    for r in results_by_size(results):
+    # By size; sorted() is stable, so systems keep their run order within a size.
+    for r in sorted(results, key=lambda r: r["size_bytes"]):
         time_s = r["time_s"]
         ratio = ratios.get((r["system"], r["size_bytes"]))
         row = [format_size(r["size_bytes"]) if r["size_bytes"] != previous_size else "",
-               r["system"], _ms(time_s["median"]), _ms(time_s["min"]), _ms(time_s["max"]),
+               r["system"], format_ms(time_s["median"]), format_ms(time_s["min"]),
+               format_ms(time_s["max"]),
                f"{r['algbw_GBps']:.3g}", f"{r['busbw_GBps']:.3g}",
                "" if r["system"] == "reducerd" or ratio is None else f"{ratio:.2f}x"]
         if emulated:
             row += [format_bytes(r["bytes_sent_per_worker"]),
                     format_bytes(r["bytes_received_per_worker"]),
                     format_bytes(r["theory_bytes_per_worker"]),
-                    _ms(r["line_rate_bound_s"]),
+                    format_ms(r["line_rate_bound_s"]),
                     f"{time_s['median'] / r['line_rate_bound_s']:.2f}"
                     if r["line_rate_bound_s"] else ""]
         if per_node:
@@ -64,11 +62,6 @@ def render_table(console: Console, config: BenchConfig, results: list[dict[str, 
         table.add_row(*row, end_section=False)
         previous_size = r["size_bytes"]
     console.print(table)
-
-
-def results_by_size(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Group rows by size (stable: systems keep their run order within a size)."""
-    return sorted(results, key=lambda r: r["size_bytes"])
 
 
 def config_record(config: BenchConfig, systems: list[str], skipped: dict[str, str],

@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from reducerd.bench import netns
-from reducerd.bench.config import BenchConfig
+from reducerd.bench.config import WIRE_ITEMSIZE, BenchConfig
 from reducerd.bench.figures import aggregate
 from reducerd.bench.launch import Placement, default_mxnet_python, launch, make_placement
-from reducerd.bench.procs import Proc, ProcessSet, SystemFailed, follow_workers
+from reducerd.bench.procs import Proc, ProcessSet, SystemFailed, cpu_seconds, follow_workers
 from reducerd.bench.report import config_record, render_table, write_json, write_plot
 from reducerd.bench.units import format_size
 
@@ -58,22 +58,16 @@ def _available(config: BenchConfig, mxnet_python: Path,
     return systems
 
 
-def _cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a live process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _daemon_efficiency(config: BenchConfig, daemons: list[Proc],
                        cpu_after_first_step: float) -> dict[str, float]:
     """What the daemons received per CPU-second they used, from the end of the
     sweep's first step (start-up, imports and connecting left out) to its end."""
-    itemsize = 4 if config.wire_dtype == "float32" else 2
+    itemsize = WIRE_ITEMSIZE[config.wire_dtype]
     steps = config.warmup + config.iters
     input_bytes = sum(size // 4 * itemsize * config.workers * steps
                       for size in config.sizes_bytes)
     input_bytes -= config.sizes_bytes[0] // 4 * itemsize * config.workers
-    cpu_s = sum(_cpu_seconds(d.process.pid) for d in daemons) - cpu_after_first_step
+    cpu_s = sum(cpu_seconds(d.process.pid) for d in daemons) - cpu_after_first_step
     return {"input_bytes": input_bytes, "cpu_s": round(cpu_s, 3),
             "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if cpu_s else 0.0}
 
@@ -94,7 +88,7 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
         elif event["event"] == "iter" and proc.rank == 0:
             if system == "reducerd" and not daemon_cpu_s:
                 try:
-                    daemon_cpu_s.append(sum(_cpu_seconds(d.process.pid) for d in helpers))
+                    daemon_cpu_s.append(sum(cpu_seconds(d.process.pid) for d in helpers))
                 except (OSError, ValueError, IndexError):
                     daemon_cpu_s.append(float("nan"))
             progress.update(task, advance=1, description=f"{system} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["parse_size", "parse_sizes", "parse_rate", "parse_time", "format_size",
-           "format_bytes"]
+           "format_bytes", "format_ms"]
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SIZE_RE = re.compile(r"^(\d+)\s*([KMG]?)(?:I?B)?$", re.IGNORECASE)
@@ -99,3 +99,9 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def format_ms(seconds: float) -> str:
+    """Milliseconds: 3 significant digits below 100 ms, whole ones above."""
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
