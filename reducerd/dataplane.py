@@ -40,12 +40,13 @@ from reducer_client.dataplane import (
     read_frame,
     recv_exactly,
     send_frame,
+    shutdown_quietly,
     status_frame,
     tune_socket,
 )
-from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
+from reducer_client.shardcodec import DecodeError, ShardView
 
-from reducerd.service import END, ReducerService, Stream
+from reducerd.service import END, ReducerService, Stream, decode_request
 
 __all__ = ["DataPlane"]
 
@@ -145,7 +146,7 @@ class DataPlane:
             if conn.registered:
                 conn.outbox.put_nowait((grpc.StatusCode.UNAVAILABLE, message))
             else:  # still in its handshake: wake its reader
-                _shutdown(conn.sock, socket.SHUT_RDWR)
+                shutdown_quietly(conn.sock, socket.SHUT_RDWR)
 
     def _accept_loop(self) -> None:
         listener = self._listener
@@ -264,7 +265,7 @@ class DataPlane:
                 _drop_input(conn.sock)
                 return
             if frame is None:  # the client half-closed: answer what is open, then OK
-                self._call(self._half_close, conn)
+                self._call(conn.stream.half_close)
                 return
             kind, payload = frame
             if ending or conn.refused or conn.writer_done.is_set():
@@ -274,11 +275,7 @@ class DataPlane:
                 self._call(self._end, conn, grpc.StatusCode.INVALID_ARGUMENT,
                            f"unexpected frame kind {kind} after HELLO")
                 continue
-            shard: ShardView | DecodeError
-            try:
-                shard = decode_shard(payload)
-            except DecodeError as exc:
-                shard = exc
+            shard = decode_request(payload)
             # Pause while the loop is behind or the client does not read its replies.
             while not (conn.outbox.wait_below(_UNSENT_FRAMES, 1.0)
                        and conn.credit.acquire(timeout=1.0)):
@@ -323,11 +320,6 @@ class DataPlane:
             conn.refused = True
             conn.outbox.put_nowait((code, message))
 
-    @staticmethod
-    def _half_close(conn: _Connection) -> None:
-        conn.stream.half_closed = True
-        conn.stream.maybe_finish()
-
     # -- the writer thread ---------------------------------------------------
 
     def _write(self, conn: _Connection) -> None:
@@ -349,9 +341,9 @@ class DataPlane:
             conn.writer_done.set()
             # Half-close, give the client time to read our last frame and close
             # its side (the reader drains meanwhile), then close.
-            _shutdown(conn.sock, socket.SHUT_WR)
+            shutdown_quietly(conn.sock, socket.SHUT_WR)
             if not conn.reader_done.wait(_LINGER_S):
-                _shutdown(conn.sock, socket.SHUT_RDWR)
+                shutdown_quietly(conn.sock, socket.SHUT_RDWR)
                 conn.reader_done.wait(_LINGER_S)
             conn.sock.close()
             self._forget(conn)
@@ -366,13 +358,6 @@ def _drop_input(sock: socket.socket, timeout_s: float | None = None) -> None:
         while sock.recv(1 << 16):
             if deadline is not None and time.monotonic() > deadline:
                 return
-    except OSError:
-        pass
-
-
-def _shutdown(sock: socket.socket, how: int) -> None:
-    try:
-        sock.shutdown(how)
     except OSError:
         pass
 

@@ -75,7 +75,7 @@ class Delivery:
     op: int
     world_size: int
     sinks: tuple[Hashable, ...]
-    data: bytes = b""
+    data: bytes | memoryview = b""  # the result in the wire dtype (a view of it)
     error_code: str = ""
     error_message: str = ""
     # Seconds from the chunk's first contribution to this delivery (0 if it never opened).
@@ -119,7 +119,7 @@ class _Result:
     op: int
     world_size: int
     numel: int
-    data: bytes
+    data: bytes | memoryview
     expires_s: float
 
 
@@ -288,7 +288,8 @@ class ReductionTable:
         if chunk.op == pb.REDUCE_OP_MEAN:
             # Divide the float32 sum once, before the single rounding to the wire dtype.
             np.divide(acc, np.float32(chunk.world_size), out=acc)
-        data = wire.to_wire(acc, chunk.dtype).tobytes()
+        # A byte view of the new wire array: no second copy of the result.
+        data = wire.to_wire(acc, chunk.dtype).data.cast("B")
         self._release(cid, chunk, job)
         self._cache_result(cid, chunk, data)
         job.chunks_completed += 1
@@ -342,7 +343,7 @@ class ReductionTable:
             deliveries.append(self._fail(cid, INVALID_ARGUMENT, message, (sink,), part))
         return deliveries
 
-    def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, data: bytes) -> None:
+    def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, data: memoryview) -> None:
         slot = (cid.job, cid.key, cid.offset)
         previous = self._latest_round.get(slot)
         if previous is not None and previous < cid.round:

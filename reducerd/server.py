@@ -85,15 +85,15 @@ class Daemon:
             self._start_metrics(cfg.metrics_address)
         token = cfg.auth_token()
         # Before the gRPC server exists: a taken data port stops us cleanly.
-        data_port = self._start_data_plane(token)
+        self._start_data_plane(token)
         try:
-            return await self._start_grpc(token, data_port)
+            return await self._start_grpc(token)
         except BaseException:
             if self.data_plane is not None:
                 self.data_plane.stop()
             raise
 
-    async def _start_grpc(self, token: str | None, data_port: int) -> int:
+    async def _start_grpc(self, token: str | None) -> int:
         cfg = self.config
         interceptors = []
         if token:
@@ -124,20 +124,18 @@ class Daemon:
         host = cfg.listen_address.rpartition(":")[0]
         log.info("listening on %s:%d%s%s", host, self.port, " (TLS)" if cfg.tls_cert else "",
                  " (token required)" if token else "")
-        if data_port:
-            log.info("data plane on %s:%d", cfg.data_address[0] if cfg.data_address else "",
-                     data_port)
+        if cfg.data_address is not None:
+            log.info("data plane on %s:%d", cfg.data_address[0], self.service.data_port)
         return self.port
 
-    def _start_data_plane(self, token: str | None) -> int:
+    def _start_data_plane(self, token: str | None) -> None:
         address = self.config.data_address
         if address is None:
-            return 0
+            return
         self.data_plane = DataPlane(self.service, asyncio.get_running_loop(), token,
                                     self.config.max_message_bytes,
                                     send_timeout_s=self.config.round_timeout_s)
         self.service.data_port = self.data_plane.start(*address)
-        return self.service.data_port
 
     def _start_metrics(self, address: str) -> None:
         from reducerd.metrics import Metrics  # prometheus-client only when asked for

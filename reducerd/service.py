@@ -52,6 +52,11 @@ class Stream:
         self.half_closed = False
         self.last_message_s = time.monotonic()
 
+    def half_close(self) -> None:
+        """The client sent its last shard: end with OK once all it waits for is answered."""
+        self.half_closed = True
+        self.maybe_finish()
+
     def maybe_finish(self) -> None:
         if self.half_closed and not self.waiting:
             self.outbox.put_nowait(END)
@@ -75,7 +80,7 @@ class _Throughput:
         return (bytes_in - in0) / span, (bytes_out - out0) / span
 
 
-def _decode_request(message: bytes) -> ShardView | DecodeError:
+def decode_request(message: bytes | memoryview) -> ShardView | DecodeError:
     # Never raise here: gRPC would end the call with a bare INTERNAL.
     try:
         return decode_shard(message)
@@ -167,8 +172,7 @@ class ReducerService:
             stream.outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT,
                                       f"cannot read the stream: {exc}"))
             return
-        stream.half_closed = True
-        stream.maybe_finish()
+        stream.half_close()
 
     def accept(self, shard: ShardView | DecodeError, stream: Stream) -> bool:
         """Take one received message of `stream` (loop thread); False when it
@@ -204,7 +208,7 @@ class ReducerService:
         """The reducer.v1.Reducer service with our own Shard codec."""
         return grpc.method_handlers_generic_handler("reducer.v1.Reducer", {
             "Reduce": grpc.stream_stream_rpc_method_handler(
-                self.Reduce, request_deserializer=_decode_request,
+                self.Reduce, request_deserializer=decode_request,
                 response_serializer=_bytes),
             "GetStatus": grpc.unary_unary_rpc_method_handler(
                 self.GetStatus, request_deserializer=pb.StatusRequest.FromString,

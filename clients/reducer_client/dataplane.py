@@ -35,7 +35,7 @@ from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "FrameError", "TruncatedFrame", "StreamBroken",
            "TcpStream", "frame_header", "read_frame", "send_frame", "status_frame",
-           "parse_status", "recv_exactly", "tune_socket"]
+           "parse_status", "recv_exactly", "shutdown_quietly", "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
@@ -173,7 +173,7 @@ class TcpStream:
                 send_frame(sock, SHARD, message)
             sock.shutdown(socket.SHUT_WR)
         except OSError:
-            _shutdown(sock)  # the reader sees the break and reports it
+            shutdown_quietly(sock)  # the reader sees the break and reports it
 
     def __iter__(self) -> Iterator[ShardView]:
         sock = self._sock
@@ -210,12 +210,13 @@ class TcpStream:
                                        f"{where}: malformed reply: {exc}") from None
                 yield reply
         finally:
-            _shutdown(sock)
+            shutdown_quietly(sock)
             sock.close()
 
 
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_quietly(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
+    """shutdown(), ignoring a socket that is already closed or reset."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        sock.shutdown(how)
     except OSError:
         pass
