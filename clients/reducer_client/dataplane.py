@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 import numpy as np
 
+from reducer_client.errors import status_code_from_value
 from reducer_client.shardcodec import DecodeError, ShardView, decode_shard
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "FrameError", "TruncatedFrame", "StreamBroken",
@@ -44,7 +45,6 @@ _STATUS_CODE = struct.Struct("<I")
 MAX_HELLO_BYTES = 4096
 # Sends the header with the payload in one segment where the OS allows it.
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class FrameError(ValueError):
@@ -78,7 +78,7 @@ def parse_status(payload: memoryview) -> tuple[grpc.StatusCode, str]:
         raise FrameError(f"STATUS frame of {len(payload)} bytes")
     (value,) = _STATUS_CODE.unpack_from(payload)
     message = bytes(payload[_STATUS_CODE.size:]).decode("utf-8", "replace")
-    return _CODES.get(value, grpc.StatusCode.UNKNOWN), message
+    return status_code_from_value(value), message
 
 
 # Blocking sockets wait in the kernel for the whole request (one call per

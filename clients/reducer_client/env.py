@@ -27,7 +27,10 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env",
-           "data_plane_from_env"]
+           "data_plane_from_env", "DATA_PLANES"]
+
+# How shards may travel (ReducerClient(data_plane=...), REDUCER_DATA_PLANE).
+DATA_PLANES = ("auto", "tcp", "grpc")
 
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -125,6 +128,6 @@ def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:
     """REDUCER_DATA_PLANE (auto, tcp or grpc), else "auto"."""
     environ = os.environ if environ is None else environ
     value = environ.get("REDUCER_DATA_PLANE", "").strip().lower() or "auto"
-    if value not in ("auto", "tcp", "grpc"):
+    if value not in DATA_PLANES:
         raise ValueError(f"REDUCER_DATA_PLANE must be auto, tcp or grpc, got {value!r}")
     return value

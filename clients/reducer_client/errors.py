@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["ReducerError", "RETRYABLE_CODES"]
+__all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value"]
 
 # Codes worth retrying: the daemon went away (restart, drain) or was busy.
 # Everything else (bad input, mismatch between ranks, a missing rank, auth)
 # would fail the same way again.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code_from_value(value: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a numeric code from the wire (UNKNOWN if none)."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
 class ReducerError(RuntimeError):

@@ -35,7 +35,8 @@ import grpc
 
 from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client.dataplane import StreamBroken, TcpStream
-from reducer_client.errors import ReducerError
+from reducer_client.env import DATA_PLANES
+from reducer_client.errors import ReducerError, status_code_from_value
 from reducer_client.shardcodec import ShardView, decode_shard
 
 __all__ = ["DaemonLink", "ReplyHandler", "status_code_from_value", "DATA_PLANES"]
@@ -48,11 +49,9 @@ PendingKey = tuple[str, int, int]
 ReplyHandler = Callable[[ShardView | None, ReducerError | None], None]
 _REDUCE_METHOD = "/reducer.v1.Reducer/Reduce"
 _STATUS_METHOD = "/reducer.v1.Reducer/GetStatus"
-DATA_PLANES = ("auto", "tcp", "grpc")
 _DISCOVERY_TIMEOUT_S = 5.0
 
 _CLOSE = object()
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_MESSAGE_BYTES = 64 << 20
 # A restarted daemon is found within ~1 s; gRPC's default backoff grows to 120 s.
 _CHANNEL_OPTIONS = [
@@ -66,10 +65,6 @@ _CHANNEL_OPTIONS = [
 # Backoff between stream attempts: 0, 50 ms, 100 ms, ... up to 1 s. Retries go
 # on while chunks wait; each operation's deadline (the client's timeout) bounds them.
 _FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
-
-
-def status_code_from_value(value: int) -> grpc.StatusCode:
-    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
 class DaemonLink:
@@ -115,8 +110,12 @@ class DaemonLink:
         self._outbox: queue.SimpleQueue[Any] | None = None
         self._retries = 0
         self._streams_opened = 0
-        self.reconnects = 0
         self._closed = False
+
+    @property
+    def reconnects(self) -> int:
+        """Streams opened after the first (each resent what was open)."""
+        return max(0, self._streams_opened - 1)
 
     def send(self, key: PendingKey, message: bytes, handler: ReplyHandler) -> None:
         """Queue one encoded shard for the daemon; `handler` gets its reply."""
@@ -154,7 +153,6 @@ class DaemonLink:
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbox = outbox
         if self._streams_opened:
-            self.reconnects += 1
             for message in self._completed.values():
                 outbox.put(message)
         self._streams_opened += 1

@@ -87,7 +87,6 @@ class _NodeOp:
         self.future.set_running_or_notify_cancel()
         self.ready = threading.Event()  # the coordinator answered the join
         self.segment: SharedMemory | None = None
-        self.error: ReducerError | None = None
         self.phase = "join"  # join -> inputs -> slices -> result
         self.inner: Any = None  # the daemon phase of our slice
         self.settled = False
@@ -304,8 +303,9 @@ class NodeGroup:
         # where replies land while later chunks of the slice may still be read
         # for sending; not into a fresh buffer, which costs page faults per step.
         acc, result = rows[local_size, start:stop], rows[local_size + 1]
-        np.copyto(acc, rows[0, start:stop])
-        for local_rank in range(1, local_size):  # fixed order: same bits every step
+        # local_size >= 2 here (no node group otherwise); fixed order: same bits every step
+        np.add(rows[0, start:stop], rows[1, start:stop], out=acc)
+        for local_rank in range(2, local_size):
             np.add(acc, rows[local_rank, start:stop], out=acc)
         if node_op.op == pb.REDUCE_OP_MEAN:
             # Node mean: the daemons average the N node means (see module docstring).

@@ -204,7 +204,7 @@ def to_wire(values: np.ndarray, dtype: int) -> np.ndarray:
         out = np.empty(flat.size, dtype=np.uint16)
         float32_to_float16_bits(flat, out)
         return out.view(np.float16).reshape(np.shape(values))
-    return np.asarray(values, dtype=wire_numpy_dtype(dtype)).copy()
+    return np.array(values, dtype=wire_numpy_dtype(dtype), copy=True)
 
 
 def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray) -> None:
@@ -215,12 +215,18 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype)) if not isinstance(
         data, np.ndarray) else data
     fast = _fast
-    if (fast is not None and dtype != pb.DTYPE_FLOAT32 and out.dtype == np.float32
-            and out.flags.c_contiguous and raw.flags.c_contiguous):
+    if (fast is not None and dtype != pb.DTYPE_FLOAT32 and raw.flags.c_contiguous
+            and not (dtype == pb.DTYPE_FLOAT16 and out.dtype == np.float16)):
+        # Widen in C, straight into a float32 output, else through a float32
+        # temporary (exact either way: both wire types fit float32).
+        direct = out.dtype == np.float32 and out.flags.c_contiguous
+        target = out if direct else np.empty(raw.size, dtype=np.float32)
         if dtype == pb.DTYPE_BFLOAT16:
-            fast.bf16_to_f32(raw, out)
+            fast.bf16_to_f32(raw, target)
         else:
-            fast.f16_to_f32(raw, out)
+            fast.f16_to_f32(raw, target)
+        if not direct:
+            np.copyto(out, target, casting="unsafe")
         return
     if dtype == pb.DTYPE_BFLOAT16:
         if out.dtype == np.float32:
