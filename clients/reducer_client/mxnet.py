@@ -240,7 +240,7 @@ class Reducer(KVStoreBase):
         if not 0 <= root_rank < self.num_workers:
             raise ValueError(f"root_rank {root_rank} must be in [0, {self.num_workers})")
         keys, values, outs = self._normalize(key, value, out)
-        items = [(k, _to_numpy(_as_list(v)[:1])) for k, v in zip(keys, values, strict=True)]
+        items = [(k, _to_numpy(v[:1])) for k, v in zip(keys, values, strict=True)]
 
         def start(array: np.ndarray, wire_key: str) -> Future:
             return self._backend.broadcast_async(array, wire_key, root_rank)

@@ -14,7 +14,7 @@ from typing import Any
 
 from reducer_client.api import Reducer
 
-__all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size"]
+__all__ = ["init", "client", "shutdown", "is_initialized"]
 
 # _lock guards _client and _atexit_set; taken by whichever thread calls these
 # functions (the user's, or a framework's worker thread running a reduction).
@@ -80,13 +80,3 @@ def shutdown() -> None:
         current, _client = _client, None
     if current is not None:
         current.close()
-
-
-def rank() -> int:
-    """This worker's rank in the process-wide client's job."""
-    return client().rank
-
-
-def size() -> int:
-    """The number of workers in the process-wide client's job."""
-    return client().world_size
