@@ -278,9 +278,9 @@ class ReductionTable:
                            started_s=now, ranks={part.rank}, sinks=[sink])
         self.bytes_held += nbytes
         job.open_chunks += 1
+        self._open[cid] = chunk
         if part.world_size == 1:
             return [self._complete(cid, chunk, job)]
-        self._open[cid] = chunk
         return []
 
     def _complete(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> Delivery:
@@ -366,7 +366,7 @@ class ReductionTable:
                 del self._latest_round[slot]
 
     def _release(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> None:
-        if self._open.pop(cid, None) is not None or chunk.world_size == 1:
+        if self._open.pop(cid, None) is not None:
             self.bytes_held -= chunk.acc.nbytes
             job.open_chunks -= 1
 
