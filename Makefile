@@ -8,7 +8,7 @@ VENV_MX := .venv-mxnet
 STAMP := $(VENV)/.installed
 STAMP_MX := $(VENV_MX)/.installed
 # The C conversions (setup.py): rebuilt in place when their source changes.
-FASTWIRE := clients/reducer_client/_fastwire.c
+FASTWIRE := protos/python/reducer_wire/_kernels.c
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
@@ -62,4 +62,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV_MX) .pytest_cache build clients/reducer_client/_fastwire*.so
+	rm -rf $(VENV) $(VENV_MX) .pytest_cache build protos/python/reducer_wire/_kernels*.so

@@ -54,9 +54,12 @@ class Config:
     # A stream with nothing open and no message for this long is ended (OK);
     # clients open a new one when they next send.
     stream_idle_timeout_s: float = 600.0
-    # The TCP data plane (reducer_client.dataplane): "auto" = the listen host on
+    # The TCP data plane (reducer_wire.framing): "auto" = the listen host on
     # any free port (GetStatus tells clients which), HOST:PORT, or "off". Off under TLS.
     data_listen: str = "auto"
+    # Not an option: REDUCER_WIRE_NUMPY=1 sums and converts in NumPy instead of
+    # reducer_wire's C kernels (same results; for comparison and debugging).
+    wire_numpy: bool = False
     # Not an option: $CREDENTIALS_DIRECTORY, set by systemd when the unit loads credentials.
     credentials_directory: str | None = None
 
@@ -293,12 +296,13 @@ def config_from_args(args: argparse.Namespace,
     """Build and validate the Config from parsed arguments (and their --config).
 
     The environment is read here and nowhere else: only $CREDENTIALS_DIRECTORY,
-    which systemd sets for units with LoadCredential=.
+    which systemd sets for units with LoadCredential=, and REDUCER_WIRE_NUMPY.
     """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = (_from_toml(args.config) if getattr(args, "config", None)
                               else {})
     values["credentials_directory"] = environ.get("CREDENTIALS_DIRECTORY") or None
+    values["wire_numpy"] = environ.get("REDUCER_WIRE_NUMPY", "") not in ("", "0")
     for name in _FLAGS.values():
         flag_value = getattr(args, name, None)
         if flag_value is not None:

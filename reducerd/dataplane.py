@@ -1,4 +1,4 @@
-"""The daemon's TCP data plane (protocol: reducer_client.dataplane).
+"""The daemon's TCP data plane (protocol: reducer_wire.framing).
 
 Each connection is a Stream of the ReducerService, like a Reduce call: the
 shards go through the same checks and table, replies and in-band errors are
@@ -31,7 +31,8 @@ from collections import deque
 from typing import Any
 
 import grpc
-from reducer_client.dataplane import (
+from reducer_wire.codec import DecodeError, ShardView
+from reducer_wire.framing import (
     HELLO,
     MAGIC,
     MAX_HELLO_BYTES,
@@ -44,7 +45,6 @@ from reducer_client.dataplane import (
     status_frame,
     tune_socket,
 )
-from reducer_client.shardcodec import DecodeError, ShardView
 
 from reducerd.service import END, ReducerService, Stream, decode_request
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire import convert, dtypes
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd import accumulate
 
 __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
            "DTYPE_NAMES", "OP_NAMES"]
@@ -63,7 +65,7 @@ class Contribution:
 
     @property
     def numel(self) -> int:
-        return len(self.data) // wire.wire_itemsize(self.dtype)
+        return len(self.data) // dtypes.wire_itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ class ReductionTable:
         open_chunk.sinks.append(sink)
         if part.rank in open_chunk.ranks:
             return []  # a retry: already counted, this stream just waits too
-        wire.add_wire_into(open_chunk.acc, part.data, part.dtype, self._scratch_for(part))
+        accumulate.add_wire_into(open_chunk.acc, part.data, part.dtype, self._scratch_for(part))
         open_chunk.ranks.add(part.rank)
         if len(open_chunk.ranks) < open_chunk.world_size:
             return []
@@ -272,7 +274,7 @@ class ReductionTable:
                        f"{self.max_inflight_bytes} (--max-inflight-bytes)")
             return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
         acc = np.empty(part.numel, dtype=np.float32)
-        wire.copy_wire_into(acc, part.data, part.dtype)
+        accumulate.copy_wire_into(acc, part.data, part.dtype)
         chunk = _OpenChunk(first_rank=part.rank, world_size=part.world_size,
                            dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
                            started_s=now, ranks={part.rank}, sinks=[sink])
@@ -289,7 +291,7 @@ class ReductionTable:
             # Divide the float32 sum once, before the single rounding to the wire dtype.
             np.divide(acc, np.float32(chunk.world_size), out=acc)
         # A byte view of the new wire array: no second copy of the result.
-        data = wire.to_wire(acc, chunk.dtype).data.cast("B")
+        data = convert.to_wire(acc, chunk.dtype).data.cast("B")
         self._release(cid, chunk, job)
         self._cache_result(cid, chunk, data)
         job.chunks_completed += 1

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire import convert
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.config import Config
 from reducerd.dataplane import DataPlane
@@ -66,6 +67,7 @@ class Daemon:
 
     def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
+        convert.use_accelerator(not config.wire_numpy)
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
                                     max_open_chunks_per_job=config.max_open_chunks_per_job)
         self.service = ReducerService(self.table, stalled_after_s=config.stalled_after_s)

@@ -15,9 +15,9 @@ from collections import deque
 from typing import Any, Protocol
 
 import grpc
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client.shardcodec import DecodeError, ShardView, decode_shard, encode_shard
+from reducer_wire import dtypes
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.codec import DecodeError, ShardView, decode_shard, encode_shard
 
 from reducerd import __version__
 from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
@@ -98,7 +98,7 @@ def check_shard(shard: ShardView) -> str:
         return "job is empty"
     if not shard.key:
         return "key is empty"
-    if shard.dtype not in wire.WIRE_DTYPES.values():
+    if shard.dtype not in dtypes.WIRE_DTYPES.values():
         return f"dtype {shard.dtype} is unspecified or unknown"
     if shard.op not in (pb.REDUCE_OP_UNSPECIFIED, pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN):
         return f"op {shard.op} is unknown"
@@ -106,7 +106,7 @@ def check_shard(shard: ShardView) -> str:
         return "world_size is 0"
     if shard.rank >= shard.world_size:
         return f"rank {shard.rank} is not below world_size {shard.world_size}"
-    itemsize = wire.wire_itemsize(shard.dtype)
+    itemsize = dtypes.wire_itemsize(shard.dtype)
     if not shard.data:
         return "data is empty"
     if len(shard.data) % itemsize:
@@ -120,7 +120,7 @@ def check_shard(shard: ShardView) -> str:
 class ReducerService:
     """Reduce and GetStatus over one ReductionTable.
 
-    Shards are decoded and encoded by reducer_client.shardcodec rather than the
+    Shards are decoded and encoded by reducer_wire.codec rather than the
     generated classes, so shard data is never copied on its way in (a view
     into the received message) and each reply is serialized once for all the
     streams it goes to.

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table

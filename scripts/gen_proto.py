@@ -1,7 +1,7 @@
-"""Generate the Python gRPC code for protos/ into clients/reducer_client/_proto.
+"""Generate the Python gRPC code for protos/ into protos/python/reducer_wire/_proto.
 
 The virtual include path makes the generated imports read
-`from reducer_client._proto.reducer.v1 import reducer_pb2`, so the code lives
+`from reducer_wire._proto.reducer.v1 import reducer_pb2`, so the code lives
 inside the package without rewriting. Usage: python scripts/gen_proto.py [OUT_ROOT]
 """
 
@@ -11,7 +11,7 @@ import sys
 from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROTO = "reducer_client/_proto/reducer/v1/reducer.proto"
+PROTO = "reducer_wire/_proto/reducer/v1/reducer.proto"
 
 
 def generate(out_root: pathlib.Path) -> None:
@@ -19,7 +19,7 @@ def generate(out_root: pathlib.Path) -> None:
     include = protoc._get_resource_file_name("grpc_tools", "_proto")  # well-known types
     args = [
         "protoc",
-        f"-Ireducer_client/_proto={ROOT / 'protos'}",
+        f"-Ireducer_wire/_proto={ROOT / 'protos'}",
         f"-I{include}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
@@ -28,10 +28,10 @@ def generate(out_root: pathlib.Path) -> None:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    for pkg in ("reducer_client/_proto", "reducer_client/_proto/reducer",
-                "reducer_client/_proto/reducer/v1"):
+    for pkg in ("reducer_wire/_proto", "reducer_wire/_proto/reducer",
+                "reducer_wire/_proto/reducer/v1"):
         (out_root / pkg / "__init__.py").touch()
 
 
 if __name__ == "__main__":
-    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "clients")
+    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "protos" / "python")

@@ -28,8 +28,8 @@ from reducerd.local import running_daemons
 
 
 def job_bytes(addresses: list[str], job: str) -> tuple[int, int]:
-    from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-    from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+    from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+    from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
     total_in = total_out = 0
     for address in addresses:

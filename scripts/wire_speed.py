@@ -1,4 +1,4 @@
-"""The wire conversions, C (reducer_client._fastwire) against NumPy, same run.
+"""The wire conversions, C (reducer_wire._kernels) against NumPy, same run.
 
     python scripts/wire_speed.py [--mib 64] [--repeat 5]
 
@@ -15,8 +15,10 @@ import sys
 import time
 
 import numpy as np
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire import convert
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd import accumulate
 
 F16 = pb.DTYPE_FLOAT16
 CHUNK = 1 << 19  # float16 elements in a 1 MiB chunk
@@ -37,36 +39,36 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    if not wire.accelerated():
-        print("reducer_client._fastwire is not built (no C compiler?)", file=sys.stderr)
+    if not convert.accelerated():
+        print("reducer_wire._kernels is not built (no C compiler?)", file=sys.stderr)
         return 1
     x = np.random.default_rng(0).standard_normal(args.mib << 18).astype(np.float32)
     out = np.empty_like(x)
     acc = np.zeros(CHUNK, dtype=np.float32)
     starts = range(0, x.size, CHUNK)
-    encoded = [wire.to_wire(x[i:i + CHUNK], F16).tobytes() for i in starts]
+    encoded = [convert.to_wire(x[i:i + CHUNK], F16).tobytes() for i in starts]
 
     def narrow():
         for i in starts:
-            wire.to_wire(x[i:i + CHUNK], F16)
+            convert.to_wire(x[i:i + CHUNK], F16)
 
     def widen():
         for i, data in zip(starts, encoded, strict=True):
-            wire.from_wire(data, F16, out[i:i + CHUNK])
+            convert.from_wire(data, F16, out[i:i + CHUNK])
 
     def add():
         scratch = np.empty(CHUNK, dtype=np.float32)
         for data in encoded:
-            wire.add_wire_into(acc[:len(data) // 2], data, F16, scratch)
+            accumulate.add_wire_into(acc[:len(data) // 2], data, F16, scratch)
 
     print(f"{args.mib} MiB float32 gradient, 1 MiB float16 chunks, best of {args.repeat}:")
     for name, fn in (("float32 -> float16", narrow), ("float16 -> float32", widen),
                      ("float16 add into float32", add)):
-        wire.use_accelerator(True)
+        convert.use_accelerator(True)
         fast = best_of(args.repeat, fn)
-        wire.use_accelerator(False)
+        convert.use_accelerator(False)
         slow = best_of(args.repeat, fn)
-        wire.use_accelerator(True)
+        convert.use_accelerator(True)
         print(f"  {name:<26} C {fast * 1e3:6.1f} ms   NumPy {slow * 1e3:6.1f} ms   "
               f"{slow / fast:4.1f}x")
     return 0

@@ -13,10 +13,16 @@ from typing import Any
 
 import grpc
 import numpy as np
+from reducer_wire import convert, dtypes
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.codec import ShardView, encode_shard
 
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client.env import data_plane_from_env, local_settings_from_env, settings_from_env
+from reducer_client.env import (
+    data_plane_from_env,
+    local_settings_from_env,
+    settings_from_env,
+    wire_numpy_from_env,
+)
 from reducer_client.errors import ReducerError
 from reducer_client.layout import (
     DEFAULT_CHUNK_BYTES,
@@ -25,11 +31,10 @@ from reducer_client.layout import (
     pipelined_chunk_bytes,
     plan_chunks,
 )
-from reducer_client.link import DaemonLink
-from reducer_client.node import NodeGroup
-from reducer_client.node_layout import node_topology
-from reducer_client.shardcodec import ShardView, encode_shard
+from reducer_client.node.group import NodeGroup
+from reducer_client.node.topology import node_topology
 from reducer_client.tls import TLSConfig, channel_credentials
+from reducer_client.transport.link import DaemonLink
 
 __all__ = ["ReducerClient"]
 
@@ -63,14 +68,14 @@ class _Operation:
                 self.fail(error)
                 return
             assert reply is not None
-            expected = chunk.numel * wire.wire_itemsize(self.dtype)
+            expected = chunk.numel * dtypes.wire_itemsize(self.dtype)
             if len(reply.data) != expected:
                 self.fail(ReducerError(grpc.StatusCode.INTERNAL,
                                        f"key {self.key!r} round {self.round} offset "
                                        f"{chunk.offset}: reply has {len(reply.data)} bytes, "
                                        f"expected {expected}"))
                 return
-            wire.from_wire(reply.data, self.dtype,
+            convert.from_wire(reply.data, self.dtype,
                            self.out[chunk.offset:chunk.offset + chunk.numel])
             with self._lock:
                 self.remaining -= 1
@@ -137,14 +142,15 @@ class ReducerClient:
             raise ValueError("job: must be a non-empty string")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
-        if wire_dtype not in wire.WIRE_DTYPES:
+        if wire_dtype not in dtypes.WIRE_DTYPES:
             raise ValueError(f"wire_dtype {wire_dtype!r}: one of "
-                             f"{', '.join(wire.WIRE_DTYPES)}")
+                             f"{', '.join(dtypes.WIRE_DTYPES)}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 4:
             raise ValueError(f"chunk_bytes must be at least 4, got {chunk_bytes}")
         self.addresses = list(addresses)
+        convert.use_accelerator(not wire_numpy_from_env())
         self.job, self.rank, self.world_size = job, rank, world_size
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
@@ -235,10 +241,10 @@ class ReducerClient:
         result, instead of a new array: no fresh pages to fault in per call.
         Its contents are unspecified if the operation fails.
         """
-        if op not in wire.WIRE_OPS:
-            raise ValueError(f"op {op!r}: one of {', '.join(wire.WIRE_OPS)}")
-        return self._start(array, key, wire.WIRE_DTYPES[self.wire_dtype],
-                           wire.WIRE_OPS[op], root_rank=None, out=out)
+        if op not in dtypes.WIRE_OPS:
+            raise ValueError(f"op {op!r}: one of {', '.join(dtypes.WIRE_OPS)}")
+        return self._start(array, key, dtypes.WIRE_DTYPES[self.wire_dtype],
+                           dtypes.WIRE_OPS[op], root_rank=None, out=out)
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
         """Return root_rank's `array` on every worker.
@@ -309,7 +315,7 @@ class ReducerClient:
         if not contributes:
             flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
         result = np.empty(array.shape, dtype=array.dtype) if out is None else out
-        chunks = plan_chunks(flat.size, wire.wire_itemsize(dtype), len(self._links),
+        chunks = plan_chunks(flat.size, dtypes.wire_itemsize(dtype), len(self._links),
                              self._chunk_bytes_for(flat.size, dtype), key)
         return self._send_chunks(flat, 0, result.reshape(-1), result, key,
                                  round_, dtype, op, chunks, self.rank,
@@ -324,7 +330,7 @@ class ReducerClient:
         """
         assert self._node is not None
         chunks = [Chunk(start + c.offset, c.numel, c.daemon) for c in plan_chunks(
-            values.size, wire.wire_itemsize(dtype), len(self._links),
+            values.size, dtypes.wire_itemsize(dtype), len(self._links),
             self._chunk_bytes_for(values.size, dtype),
             f"{key}#{start}")]
         topology = self._node.topology
@@ -334,7 +340,7 @@ class ReducerClient:
     def _chunk_bytes_for(self, numel: int, dtype: int) -> int:
         if not self._pipelined:
             return self.chunk_bytes
-        return pipelined_chunk_bytes(numel * wire.wire_itemsize(dtype), len(self._links),
+        return pipelined_chunk_bytes(numel * dtypes.wire_itemsize(dtype), len(self._links),
                                      self.chunk_bytes)
 
     def _send_chunks(self, values: np.ndarray, base: int, out: np.ndarray,
@@ -355,7 +361,7 @@ class ReducerClient:
         try:
             for chunk in chunks:
                 begin = chunk.offset - base
-                encoded = wire.to_wire(values[begin:begin + chunk.numel], dtype)
+                encoded = convert.to_wire(values[begin:begin + chunk.numel], dtype)
                 message = encode_shard(
                     job=self.job, rank=rank, world_size=world_size, round=round_,
                     key=key, offset=chunk.offset, dtype=dtype, op=op,

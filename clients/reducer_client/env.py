@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env",
-           "data_plane_from_env", "DATA_PLANES"]
+           "data_plane_from_env", "wire_numpy_from_env", "DATA_PLANES"]
 
 # How shards may travel (ReducerClient(data_plane=...), REDUCER_DATA_PLANE).
 DATA_PLANES = ("auto", "tcp", "grpc")
@@ -122,6 +122,12 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         settings["tls"] = True
     settings.update(local_settings_from_env(environ))
     return settings
+
+
+def wire_numpy_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """REDUCER_WIRE_NUMPY=1: convert in NumPy instead of reducer_wire's C kernels."""
+    environ = os.environ if environ is None else environ
+    return environ.get("REDUCER_WIRE_NUMPY", "") not in ("", "0")
 
 
 def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:

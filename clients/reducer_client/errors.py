@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from reducer_wire.codes import status_code_from_value
 
 __all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value"]
 
@@ -10,12 +11,6 @@ __all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value"]
 # Everything else (bad input, mismatch between ranks, a missing rank, auth)
 # would fail the same way again.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def status_code_from_value(value: int) -> grpc.StatusCode:
-    """The grpc.StatusCode of a numeric code from the wire (UNKNOWN if none)."""
-    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
 class ReducerError(RuntimeError):

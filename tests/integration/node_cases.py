@@ -17,7 +17,7 @@ import numpy as np
 from core_cases import check_allreduce, error_bound, make_input
 from reducer_client import ReducerClient, ReducerError
 
-# Small tensors go to fewer local ranks (node_layout.MIN_SLICE_BYTES), leaving the
+# Small tensors go to fewer local ranks (node.topology.MIN_SLICE_BYTES), leaving the
 # others an empty slice; 300_001 is cut into L uneven slices for L = 2, 3, 4.
 SIZES = (1, 3, 1001, 300_001)
 

@@ -1,7 +1,7 @@
 """The TCP data plane beside gRPC: same results, same errors, clear refusals.
 
 Real daemons; workers are spawned processes, raw connections speak the
-framing of reducer_client.dataplane by hand.
+framing of reducer_wire.framing by hand.
 """
 
 import socket
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from core_cases import matrix_worker
 from reducer_client import ReducerClient, ReducerError
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
-from reducer_client.dataplane import HELLO, MAGIC, SHARD, STATUS, TcpStream
-from reducer_client.shardcodec import decode_shard, encode_shard
+from reducer_client.transport.tcp import TcpStream
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire.codec import decode_shard, encode_shard
+from reducer_wire.framing import HELLO, MAGIC, SHARD, STATUS
 from support import run_workers, start_daemon
 
 CASES = [(wire, op, numel, "float32")

@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 from fault_cases import outlive_daemon_worker, suicidal_worker, training_worker
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from support import run_workers, start_daemon
 
 

@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reducer_client import ReducerClient
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
-from reducer_client.dataplane import HELLO, MAGIC, SHARD, STATUS
-from reducer_client.link import status_code_from_value
-from reducer_client.shardcodec import decode_shard
+from reducer_client.transport.link import status_code_from_value
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire.codec import decode_shard
+from reducer_wire.framing import HELLO, MAGIC, SHARD, STATUS
 from support import start_daemon
 
 EXAMPLES = int(os.environ.get("REDUCER_FUZZ_EXAMPLES", "300"))

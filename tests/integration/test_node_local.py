@@ -17,11 +17,11 @@ import grpc
 import pytest
 from node_cases import SIZES, kill_worker, matrix_worker, straggler_worker
 from reducer_client import ReducerClient
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from reducer_client.env import local_settings_from_env
-from reducer_client.node_layout import MIN_SLICE_BYTES, node_slice, node_topology, slice_bounds
-from reducer_client.node_shm import SHM_DIR, segment_prefix
+from reducer_client.node.shm import SHM_DIR, segment_prefix
+from reducer_client.node.topology import MIN_SLICE_BYTES, node_slice, node_topology, slice_bounds
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from support import run_workers
 
 # Job names are per host: two test runs at once on one host must not meet.

@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

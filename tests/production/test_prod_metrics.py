@@ -16,7 +16,7 @@ import numpy as np
 from conftest import DEPLOY, metrics_url, scrape, shard
 from prometheus_client import generate_latest
 from reducer_client import ReducerClient
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from support import start_daemon
 
 from reducerd.metrics import OTHER_JOB, BootTimeProcessCollector, Metrics

@@ -22,8 +22,8 @@ import grpc
 import pytest
 from conftest import DEPLOY, UNIT_BINARY, exec_start_args
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
 from reducerd.notify import Notifier
 

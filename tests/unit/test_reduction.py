@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire import convert
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 
@@ -21,13 +21,13 @@ class Clock:
 
 
 def part(rank, values, world_size=2, dtype=F16, op=SUM):
-    data = wire.to_wire(np.asarray(values, dtype=np.float32), dtype).tobytes()
+    data = convert.to_wire(np.asarray(values, dtype=np.float32), dtype).tobytes()
     return Contribution(rank, world_size, dtype, op, data)
 
 
 def decode(delivery, n):
     out = np.empty(n, dtype=np.float64)
-    wire.from_wire(delivery.data, delivery.dtype, out)
+    convert.from_wire(delivery.data, delivery.dtype, out)
     return out
 
 
@@ -43,7 +43,7 @@ def test_sum_is_float32_accumulation_rounded_once(dtype):
     assert set(done.sinks) == set(range(world))
     # Exact float32 sum 1 + 15/256 rounded once to the wire dtype; a float16
     # or bfloat16 running sum would lose the small terms one by one.
-    expected = wire.to_wire(np.float32(1 + 15 / 256), dtype)
+    expected = convert.to_wire(np.float32(1 + 15 / 256), dtype)
     assert done.data == expected.tobytes()
     assert table.bytes_held == 0 and table.open_chunk_count == 0
 

@@ -2,8 +2,8 @@
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client.shardcodec import DecodeError, decode_shard, encode_shard
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.codec import DecodeError, decode_shard, encode_shard
 
 FIELDS = ("job", "rank", "world_size", "round", "key", "offset", "dtype", "op", "data",
           "error_code", "error_message", "layout")

@@ -2,8 +2,10 @@
 
 import numpy as np
 import pytest
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire import convert
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd import accumulate
 
 BF16 = pb.DTYPE_BFLOAT16
 
@@ -31,7 +33,7 @@ def test_bfloat16_rounds_to_nearest_even():
     cases = np.array([one, one + 0x8000, one + 0x18000, one + 0x7FFF, one + 0x8001,
                       0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80008000],
                      dtype=np.uint32).view(np.float32)
-    got = wire.bfloat16_bits_from_float32(cases)
+    got = convert.bfloat16_bits_from_float32(cases)
     assert got.tolist() == _bf16_reference(cases).tolist()
     # ties: 1 + 2^-8 (exactly half an ulp) rounds down to even 1.0, 1 + 3*2^-8 up
     assert got[1] == 0x3F80 and got[2] == 0x3F82
@@ -41,9 +43,9 @@ def test_bfloat16_rounds_to_nearest_even():
 def test_bfloat16_specials():
     values = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0], dtype=np.float32)
     nan_low = np.array([0x7F800001], dtype=np.uint32).view(np.float32)  # NaN with low bits only
-    got = wire.bfloat16_bits_from_float32(np.concatenate([values, nan_low]))
+    got = convert.bfloat16_bits_from_float32(np.concatenate([values, nan_low]))
     back = np.empty(got.size, dtype=np.float32)
-    wire.from_wire(got.tobytes(), BF16, back)
+    convert.from_wire(got.tobytes(), BF16, back)
     assert back[0] == np.inf and back[1] == -np.inf
     assert np.isnan(back[2]) and np.isnan(back[5])
     assert np.signbit(back[3]) and back[4] == 0
@@ -53,7 +55,7 @@ def test_bfloat16_random_matches_reference_and_ml_dtypes():
     rng = np.random.default_rng(0)
     values = (rng.standard_normal(20_000) * 10.0 ** rng.integers(-30, 30, 20_000)
               ).astype(np.float32)
-    got = wire.bfloat16_bits_from_float32(values)
+    got = convert.bfloat16_bits_from_float32(values)
     assert np.array_equal(got, _bf16_reference(values))
     ml_dtypes = pytest.importorskip("ml_dtypes")
     assert np.array_equal(got, values.astype(ml_dtypes.bfloat16).view(np.uint16))
@@ -64,9 +66,9 @@ def test_bfloat16_random_matches_reference_and_ml_dtypes():
 def test_round_trip_of_representable_values_is_exact(dtype, out_dtype):
     # Small integers are exact in every wire dtype and output dtype.
     values = np.arange(-100, 100, dtype=np.float32)
-    encoded = wire.to_wire(values, dtype)
+    encoded = convert.to_wire(values, dtype)
     out = np.empty(values.size, dtype=out_dtype)
-    wire.from_wire(encoded.tobytes(), dtype, out)
+    convert.from_wire(encoded.tobytes(), dtype, out)
     assert np.array_equal(out, values.astype(out_dtype))
 
 
@@ -74,11 +76,11 @@ def test_round_trip_of_representable_values_is_exact(dtype, out_dtype):
 def test_add_accumulates_in_float32(dtype):
     # 2048 + 1 + 1 ... : float16 alone would stall at 2048 (ulp 2 there).
     acc = np.empty(4, dtype=np.float32)
-    wire.copy_wire_into(acc, wire.to_wire(np.full(4, 2048.0), dtype).tobytes(), dtype)
-    one = wire.to_wire(np.ones(4), dtype).tobytes()
+    accumulate.copy_wire_into(acc, convert.to_wire(np.full(4, 2048.0), dtype).tobytes(), dtype)
+    one = convert.to_wire(np.ones(4), dtype).tobytes()
     scratch = np.empty(16, dtype=np.float32)
     for _ in range(10):
-        wire.add_wire_into(acc, one, dtype, scratch)
+        accumulate.add_wire_into(acc, one, dtype, scratch)
     assert acc.tolist() == [2058.0] * 4
     assert np.float16(2048) + np.float16(1) == np.float16(2048)  # what a float16 ring does
 
@@ -86,7 +88,7 @@ def test_add_accumulates_in_float32(dtype):
 def test_float16_widening_matches_numpy_for_every_value():
     bits = np.arange(1 << 16, dtype=np.uint16)
     got = np.empty(bits.size, dtype=np.float32)
-    wire.float16_bits_to_float32(bits, got)
+    convert.float16_bits_to_float32(bits, got)
     expected = bits.view(np.float16).astype(np.float32)
     nan = np.isnan(expected)
     assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
@@ -104,7 +106,7 @@ def test_float16_narrowing_matches_numpy_bit_for_bit():
         np.array([65504, 65519.99, 65520, 65536, 1e9, -1e9, 2.98e-8, 2.9802322e-08],
                  dtype=np.float32)])
     got = np.empty(cases.size, dtype=np.uint16)
-    wire.float32_to_float16_bits(cases, got)
+    convert.float32_to_float16_bits(cases, got)
     with np.errstate(all="ignore"):
         expected = cases.astype(np.float16).view(np.uint16)
     nan = np.isnan(cases)
@@ -112,22 +114,22 @@ def test_float16_narrowing_matches_numpy_bit_for_bit():
     assert np.isnan(got[nan].view(np.float16)).all()
 
 
-# -- the C conversions (reducer_client._fastwire) against the NumPy ones ----------
+# -- the C conversions (reducer_wire._kernels) against the NumPy ones ----------
 
 @pytest.fixture(params=["numpy", "c", "c-portable"])
 def codec(request):
     """Run a test with each implementation of to_wire / from_wire / add_wire_into."""
     if request.param == "numpy":
-        previous = wire.use_accelerator(False)
+        previous = convert.use_accelerator(False)
         yield request.param
-        wire.use_accelerator(previous)
+        convert.use_accelerator(previous)
         return
-    fastwire = pytest.importorskip("reducer_client._fastwire")
-    previous = wire.use_accelerator(True)
+    fastwire = pytest.importorskip("reducer_wire._kernels")
+    previous = convert.use_accelerator(True)
     had_f16c = fastwire.set_f16c(request.param == "c")
     yield request.param
     fastwire.set_f16c(True)
-    wire.use_accelerator(previous)
+    convert.use_accelerator(previous)
     del had_f16c
 
 
@@ -144,14 +146,14 @@ def _awkward_float32(rng, count):
 @pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16])
 def test_every_codec_narrows_to_the_same_bits(codec, dtype):
     values = _awkward_float32(np.random.default_rng(11), 1_000_003)
-    got = wire.to_wire(values, dtype).view(np.uint16)
+    got = convert.to_wire(values, dtype).view(np.uint16)
     if dtype == BF16:
         expected = _bf16_reference(values[:50_000])
         assert np.array_equal(got[:50_000], expected)
         assert (got != (values.view(np.uint32) >> 16)).any()  # some values rounded up
     with np.errstate(all="ignore"):
         reference = (values.astype(np.float16).view(np.uint16) if dtype == pb.DTYPE_FLOAT16
-                     else wire.bfloat16_bits_from_float32(values))
+                     else convert.bfloat16_bits_from_float32(values))
     nan = np.isnan(values)
     assert np.array_equal(got[~nan], reference[~nan])
     if dtype == pb.DTYPE_FLOAT16:  # one canonical quiet NaN, sign kept
@@ -165,7 +167,7 @@ def test_every_codec_widens_and_adds_every_pattern_exactly(codec, dtype, misalig
     message = bytes(misalign) + bits.tobytes()  # shard data sits anywhere in a message
     data = memoryview(message)[misalign:]
     got = np.empty(bits.size, dtype=np.float32)
-    wire.from_wire(data, dtype, got)
+    convert.from_wire(data, dtype, got)
     expected = (bits.view(np.float16).astype(np.float32) if dtype == pb.DTYPE_FLOAT16
                 else (bits.astype(np.uint32) << 16).view(np.float32))
     nan = np.isnan(expected)
@@ -176,13 +178,13 @@ def test_every_codec_widens_and_adds_every_pattern_exactly(codec, dtype, misalig
     with np.errstate(all="ignore"):
         want += expected
     with np.errstate(all="ignore"):
-        wire.add_wire_into(acc, data, dtype, np.empty(bits.size, dtype=np.float32))
+        accumulate.add_wire_into(acc, data, dtype, np.empty(bits.size, dtype=np.float32))
     assert np.array_equal(acc[~nan], want[~nan])
     assert np.isnan(acc[nan]).all()
 
 
 def test_c_codec_rejects_buffers_of_different_lengths():
-    fastwire = pytest.importorskip("reducer_client._fastwire")
+    fastwire = pytest.importorskip("reducer_wire._kernels")
     with pytest.raises(ValueError, match="same number"):
         fastwire.f32_to_f16(np.ones(4, np.float32), np.empty(3, np.uint16))
     with pytest.raises(ValueError, match="same number"):

@@ -1,11 +1,11 @@
-"""Wire dtypes and their conversion to and from float32.
+"""Conversion of wire dtypes to and from float32 (and float64, float16 arrays).
 
-The conversions run in C (reducer_client._fastwire: F16C instructions where
+The conversions run in C (reducer_wire._kernels: F16C instructions where
 the CPU has them, no GIL) when the extension was built, which setup.py does
 wherever a C compiler is at hand; else in NumPy, as described below. Both
 give the same bits (NaN payloads aside, which stay NaN): which end has the
-extension never changes a result. REDUCER_WIRE_NUMPY=1 or use_accelerator(False)
-selects the NumPy code.
+extension never changes a result. use_accelerator(False) selects the NumPy code
+(the client's REDUCER_WIRE_NUMPY=1, the daemon's REDUCER_WIRE_NUMPY=1 do that).
 
 NumPy has no bfloat16, so bfloat16 travels as uint16 bit patterns: the upper
 half of a float32. Widening is exact (shift left by 16); narrowing rounds to
@@ -21,37 +21,35 @@ millions of float32 patterns), rounding to nearest, ties to even.
 
 from __future__ import annotations
 
-import os
+from types import ModuleType
 
 import numpy as np
 
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.dtypes import wire_numpy_dtype
 
 __all__ = [
-    "WIRE_DTYPES",
-    "WIRE_OPS",
-    "wire_itemsize",
-    "wire_numpy_dtype",
     "to_wire",
     "from_wire",
-    "add_wire_into",
-    "copy_wire_into",
     "bfloat16_bits_from_float32",
     "float16_bits_to_float32",
     "float32_to_float16_bits",
     "accelerated",
     "use_accelerator",
+    "kernels",
 ]
 
 try:
-    import reducer_client._fastwire as _fastwire
+    import reducer_wire._kernels as _built
 except ImportError:  # built without a C compiler: NumPy does it all
-    _fastwire = None  # type: ignore[assignment]
-_fast = _fastwire if os.environ.get("REDUCER_WIRE_NUMPY", "") in ("", "0") else None
+    _built = None  # type: ignore[assignment]
+# The kernels in use: the C extension unless a side's settings (the daemon's
+# Config, the client's REDUCER_WIRE_NUMPY) chose NumPy. Nothing is read at import.
+_fast: ModuleType | None = _built
 
 
 def accelerated() -> bool:
-    """Whether the conversions run in C (reducer_client._fastwire)."""
+    """Whether the conversions run in C (reducer_wire._kernels)."""
     return _fast is not None
 
 
@@ -59,35 +57,13 @@ def use_accelerator(on: bool) -> bool:
     """Use the C conversions (if built) or NumPy's; returns the previous choice."""
     global _fast
     previous = _fast is not None
-    _fast = _fastwire if on else None
+    _fast = _built if on else None
     return previous
 
-# Name used in the client API -> protobuf enum value.
-WIRE_DTYPES: dict[str, int] = {
-    "float16": pb.DTYPE_FLOAT16,
-    "bfloat16": pb.DTYPE_BFLOAT16,
-    "float32": pb.DTYPE_FLOAT32,
-}
-WIRE_OPS: dict[str, int] = {"sum": pb.REDUCE_OP_SUM, "mean": pb.REDUCE_OP_MEAN}
 
-# Storage dtype of each wire dtype, little-endian as the contract says.
-_STORAGE: dict[int, np.dtype] = {
-    pb.DTYPE_FLOAT16: np.dtype("<f2"),
-    pb.DTYPE_BFLOAT16: np.dtype("<u2"),
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-}
-
-
-def wire_numpy_dtype(dtype: int) -> np.dtype:
-    """NumPy dtype that holds the wire bytes of `dtype` (uint16 for bfloat16)."""
-    try:
-        return _STORAGE[dtype]
-    except KeyError:
-        raise ValueError(f"unknown wire dtype {dtype}") from None
-
-
-def wire_itemsize(dtype: int) -> int:
-    return wire_numpy_dtype(dtype).itemsize
+def kernels() -> ModuleType | None:
+    """The C kernels module in use, or None when NumPy does the work."""
+    return _fast
 
 
 _F16_TO_F32_SCALE = np.float32(2.0 ** 112)  # f32 exponent bias 127 - f16 bias 15
@@ -246,33 +222,3 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
             np.copyto(out, widened, casting="unsafe")
     else:
         np.copyto(out, raw, casting="unsafe")
-
-
-def copy_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
-    """Set the float32 accumulator to one contribution (the first of a chunk)."""
-    from_wire(data, dtype, acc)
-
-
-def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
-                  scratch: np.ndarray | None = None) -> None:
-    """Add one contribution to the float32 accumulator, in place.
-
-    float32 adds straight from the wire buffer. float16 and bfloat16 are
-    widened into `scratch` (a reusable float32 buffer of at least acc.size
-    elements) when given, else into a temporary, then added.
-    """
-    raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
-    fast = _fast
-    if (fast is not None and dtype != pb.DTYPE_FLOAT32 and acc.dtype == np.float32
-            and acc.flags.c_contiguous and acc.ctypes.data % 4 == 0):
-        if dtype == pb.DTYPE_BFLOAT16:
-            fast.bf16_add(acc, raw)
-        else:
-            fast.f16_add(acc, raw)
-        return
-    if dtype != pb.DTYPE_FLOAT32:
-        tmp = scratch[: acc.size] if scratch is not None else np.empty_like(acc)
-        from_wire(raw, dtype, tmp)
-        np.add(acc, tmp, out=acc)
-    else:
-        np.add(acc, raw, out=acc, casting="unsafe")

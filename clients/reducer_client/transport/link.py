@@ -8,7 +8,7 @@ in-band (on gRPC we ask for that with call metadata) so one bad chunk does not
 end the stream.
 
 Transport: where the daemon offers a TCP data plane (GetStatus.data_port,
-reducer_client.dataplane) and TLS is off, the same messages go over a plain
+reducer_client.transport.tcp) and TLS is off, the same messages go over a plain
 socket, which costs both ends far less CPU than gRPC Python; otherwise over
 the Reduce stream. `data_plane` chooses: "auto" (the default: TCP if offered
 and reachable, else gRPC), "tcp" or "grpc".
@@ -32,12 +32,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.codec import ShardView, decode_shard
 
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_client.dataplane import StreamBroken, TcpStream
 from reducer_client.env import DATA_PLANES
 from reducer_client.errors import ReducerError, status_code_from_value
-from reducer_client.shardcodec import ShardView, decode_shard
+from reducer_client.transport.tcp import StreamBroken, TcpStream
 
 __all__ = ["DaemonLink", "ReplyHandler", "status_code_from_value", "DATA_PLANES"]
 
@@ -89,7 +89,7 @@ class DaemonLink:
         options = [*_CHANNEL_OPTIONS, *extra_options]
         self._channel = (grpc.secure_channel(address, credentials, options) if credentials
                          else grpc.insecure_channel(address, options))
-        # Requests go out as bytes made by shardcodec.encode_shard and replies
+        # Requests go out as bytes made by reducer_wire.codec.encode_shard and replies
         # come back as ShardViews whose data is a view into the message:
         # no protobuf copies of the data on either way.
         self._reduce = self._channel.stream_stream(_REDUCE_METHOD,

@@ -1,12 +1,12 @@
 /* Wire conversions in C: float16 / bfloat16 <-> float32, and the daemon's
  * widen-and-add, without the GIL.
  *
- * NumPy does these in a dozen whole-array passes (wire.py), about 1 ns per
+ * NumPy does these in a dozen whole-array passes (convert.py), about 1 ns per
  * element: on both ends that was more CPU than the sums and the I/O together.
  * Here each element is touched once. x86-64 CPUs with F16C use its
  * conversion instructions (8 elements at a time); everywhere else the same
- * integer algorithm as wire.py runs element by element. Every function gives
- * the same bits as wire.py's NumPy code (tests/unit/test_wire.py checks all
+ * integer algorithm as convert.py runs element by element. Every function gives
+ * the same bits as convert.py's NumPy code (tests/unit/test_wire.py checks all
  * float16 patterns and millions of float32 ones), so results do not depend
  * on which ends have the extension:
  *   - float32 -> float16 rounds to nearest even; overflow gives +-inf; every
@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-/* ---- portable element-wise conversions (the algorithm of wire.py) ---- */
+/* ---- portable element-wise conversions (the algorithm of convert.py) ---- */
 
 static inline uint32_t load_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint16_t load_u16(const char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -96,7 +96,7 @@ static void f32_to_f16_f16c(const char *src, char *dst, Py_ssize_t n) {
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_loadu_ps((const float *)(src + 4 * i));
-        /* Canonical NaN (0x7E00 | sign) as in wire.py, not the hardware's
+        /* Canonical NaN (0x7E00 | sign) as in convert.py, not the hardware's
          * payload-keeping one: keep the sign, replace the rest. */
         __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
         __m256 canon = _mm256_or_ps(_mm256_andnot_ps(abs_mask, x), quiet_nan);
@@ -270,12 +270,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fastwire",
-    "float16 / bfloat16 <-> float32 conversions for reducer_client.wire (no GIL).",
+    PyModuleDef_HEAD_INIT, "_kernels",
+    "float16 / bfloat16 <-> float32 conversions for reducer_wire.convert (no GIL).",
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fastwire(void) {
+PyMODINIT_FUNC PyInit__kernels(void) {
 #ifdef HAVE_F16C_PATH
     __builtin_cpu_init();
     use_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");

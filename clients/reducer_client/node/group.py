@@ -2,13 +2,13 @@
 
 With L workers on a node, each writes its gradient (as float32) into a shared
 memory segment; local rank l sums slice l of all L rows in float32 (small
-tensors are cut into fewer slices, node_layout.node_slice) and sends that
+tensors are cut into fewer slices, topology.node_slice) and sends that
 slice to the daemons as the node's contribution (rank = node index,
 world_size = number of nodes), receives the reduced slice into the segment,
 and every local worker reads the whole result. The node's link carries the
 model once each way instead of L times. Barriers and liveness go through the
-node coordinator (node_coord.py) hosted by local rank 0; names and cleanup are
-in node_shm.py.
+node coordinator (coordinator.py) hosted by local rank 0; names and cleanup are
+in shm.py.
 
 Numerics (stated once, here): inputs enter the segment as float32 (exact for
 float16/float32, one rounding for float64). The node sum adds the L rows in
@@ -44,19 +44,19 @@ from typing import Any, Protocol
 
 import grpc
 import numpy as np
+from reducer_wire import dtypes
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducer_client import wire
-from reducer_client._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_client.errors import ReducerError
-from reducer_client.node_coord import Coordinator, encode
-from reducer_client.node_layout import NodeTopology, node_slice
-from reducer_client.node_shm import (
+from reducer_client.node.coordinator import Coordinator, encode
+from reducer_client.node.shm import (
     attach_segment,
     close_segment,
     segment_prefix,
     socket_address,
     sweep_segments,
 )
+from reducer_client.node.topology import NodeTopology, node_slice
 
 __all__ = ["NodeGroup", "SliceSender"]
 
@@ -292,7 +292,7 @@ class NodeGroup:
     def _reduce_slice(self, node_op: _NodeOp) -> None:
         """Sum our slice of the L rows in float32 and send it to the daemons."""
         topo = self.topology
-        start, stop = node_slice(node_op.numel, wire.wire_itemsize(node_op.dtype),
+        start, stop = node_slice(node_op.numel, dtypes.wire_itemsize(node_op.dtype),
                                  topo.local_size, topo.local_rank)
         if start == stop:
             self._send(["done", node_op.key, node_op.round])

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from reducer_client.errors import ReducerError
-from reducer_client.node_shm import (
+from reducer_client.node.shm import (
     close_segment,
     create_segment,
     segment_prefix,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from reducer_client._proto.reducer.v1 import reducer_pb2 as reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in reducer_client/_proto/reducer/v1/reducer_pb2_grpc.py depends on'
+        + ' but the generated code in reducer_wire/_proto/reducer/v1/reducer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class ReducerStub:
         """
         self.Reduce = channel.stream_stream(
                 '/reducer.v1.Reducer/Reduce',
-                request_serializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.SerializeToString,
-                response_deserializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.FromString,
+                request_serializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.SerializeToString,
+                response_deserializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/reducer.v1.Reducer/GetStatus',
-                request_serializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusRequest.SerializeToString,
-                response_deserializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusReply.FromString,
+                request_serializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusRequest.SerializeToString,
+                response_deserializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_ReducerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reduce': grpc.stream_stream_rpc_method_handler(
                     servicer.Reduce,
-                    request_deserializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.FromString,
-                    response_serializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.SerializeToString,
+                    request_deserializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.FromString,
+                    response_serializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusRequest.FromString,
-                    response_serializer=reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusReply.SerializeToString,
+                    request_deserializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusRequest.FromString,
+                    response_serializer=reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Reducer:
             request_iterator,
             target,
             '/reducer.v1.Reducer/Reduce',
-            reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.SerializeToString,
-            reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.FromString,
+            reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.SerializeToString,
+            reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.Shard.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Reducer:
             request,
             target,
             '/reducer.v1.Reducer/GetStatus',
-            reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusRequest.SerializeToString,
-            reducer__client_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusReply.FromString,
+            reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusRequest.SerializeToString,
+            reducer__wire_dot___proto_dot_reducer_dot_v1_dot_reducer__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,46 @@
+"""Summing contributions into a chunk's float32 accumulator.
+
+Numerics: the accumulator is float32 whatever the wire dtype; float16 and
+bfloat16 widen exactly, so the only rounding is float32 addition's (and the
+one narrowing of the result, reducer_wire.convert.to_wire).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from reducer_wire import convert
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.convert import from_wire
+from reducer_wire.dtypes import wire_numpy_dtype
+
+__all__ = ["copy_wire_into", "add_wire_into"]
+
+
+def copy_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
+    """Set the float32 accumulator to one contribution (the first of a chunk)."""
+    from_wire(data, dtype, acc)
+
+
+def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
+                  scratch: np.ndarray | None = None) -> None:
+    """Add one contribution to the float32 accumulator, in place.
+
+    float32 adds straight from the wire buffer. float16 and bfloat16 are
+    widened into `scratch` (a reusable float32 buffer of at least acc.size
+    elements) when given, else into a temporary, then added.
+    """
+    raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
+    fast = convert.kernels()
+    if (fast is not None and dtype != pb.DTYPE_FLOAT32 and acc.dtype == np.float32
+            and acc.flags.c_contiguous and acc.ctypes.data % 4 == 0):
+        if dtype == pb.DTYPE_BFLOAT16:
+            fast.bf16_add(acc, raw)
+        else:
+            fast.f16_add(acc, raw)
+        return
+    if dtype != pb.DTYPE_FLOAT32:
+        tmp = scratch[: acc.size] if scratch is not None else np.empty_like(acc)
+        from_wire(raw, dtype, tmp)
+        np.add(acc, tmp, out=acc)
+    else:
+        np.add(acc, raw, out=acc, casting="unsafe")
