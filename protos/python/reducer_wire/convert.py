@@ -162,25 +162,40 @@ def bfloat16_bits_from_float32(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def to_wire(values: np.ndarray, dtype: int) -> np.ndarray:
-    """Convert a flat float array to its wire representation (a new array)."""
+def to_wire(values: np.ndarray, dtype: int,
+            out: np.ndarray | memoryview | bytearray | None = None) -> np.ndarray:
+    """Convert a flat float array to its wire representation.
+
+    Without `out`, into a new array. With `out`, a writable buffer of exactly
+    values.size * wire itemsize bytes (a message's payload, say), the elements
+    are written there and the returned array is a view of it: no allocation.
+    The result is flat; its dtype is the wire's storage dtype (uint16 for
+    bfloat16).
+    """
+    storage = wire_numpy_dtype(dtype)
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if out is None:
+        target = np.empty(flat.size, dtype=storage)
+    else:
+        target = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) \
+            else out.reshape(-1).view(np.uint8)
+        if target.nbytes != flat.size * storage.itemsize or not target.flags.writeable:
+            raise ValueError(f"to_wire: out must be a writable buffer of "
+                             f"{flat.size * storage.itemsize} bytes, got {target.nbytes}")
+        target = target.view(storage)
     fast = _fast
-    if fast is not None and dtype != pb.DTYPE_FLOAT32 and values.dtype == np.float32:
-        flat = np.ascontiguousarray(values).reshape(-1)
-        out = np.empty(flat.size, dtype=np.uint16)
-        if dtype == pb.DTYPE_BFLOAT16:
-            fast.f32_to_bf16(flat, out)
-            return out
-        fast.f32_to_f16(flat, out)
-        return out.view(np.float16)
-    if dtype == pb.DTYPE_BFLOAT16:
-        return bfloat16_bits_from_float32(values)
-    if dtype == pb.DTYPE_FLOAT16 and values.dtype == np.float32:
-        flat = np.ascontiguousarray(values).reshape(-1)
-        out = np.empty(flat.size, dtype=np.uint16)
-        float32_to_float16_bits(flat, out)
-        return out.view(np.float16).reshape(np.shape(values))
-    return np.array(values, dtype=wire_numpy_dtype(dtype), copy=True)
+    if dtype == pb.DTYPE_FLOAT32:
+        np.copyto(target, flat, casting="unsafe")
+    elif fast is not None and flat.dtype == np.float32:
+        bits = target.view(np.uint16)
+        (fast.f32_to_bf16 if dtype == pb.DTYPE_BFLOAT16 else fast.f32_to_f16)(flat, bits)
+    elif dtype == pb.DTYPE_BFLOAT16:
+        target[...] = bfloat16_bits_from_float32(flat)
+    elif flat.dtype == np.float32:
+        float32_to_float16_bits(flat, target.view(np.uint16))
+    else:  # float64 or float16 input: NumPy's own cast rounds once, nearest even
+        np.copyto(target, flat, casting="unsafe")
+    return target
 
 
 def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray) -> None:
