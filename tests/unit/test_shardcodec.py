@@ -1,9 +1,18 @@
 """The hand-written Shard codec agrees with the generated protobuf code."""
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import DecodeError, decode_shard, encode_shard
+from reducer_wire.codec import (
+    DecodeError,
+    ShardEncoder,
+    decode_shard,
+    encode_shard,
+    encode_shard_into,
+)
 
 FIELDS = ("job", "rank", "world_size", "round", "key", "offset", "dtype", "op", "data",
           "error_code", "error_message", "layout")
@@ -45,3 +54,55 @@ def test_data_is_a_view_not_a_copy():
     message = encode_shard(job="j", key="k", data=b"\x01\x02" * 1000)
     view = decode_shard(message).data
     assert isinstance(view, memoryview) and view.obj is message and len(view) == 2000
+
+
+@settings(max_examples=500, deadline=None)
+@given(fields=shards, slack=st.integers(0, 8))
+def test_encoder_and_encode_into_write_the_generated_bytes(fields, slack):
+    """Header, payload region and tail in a caller's buffer: the same bytes as
+    SerializeToString, whatever the buffer held before."""
+    reference = pb.Shard(**fields).SerializeToString()
+    data = fields["data"]
+    header_fields = {k: v for k, v in fields.items() if k != "data"}
+    encoder = ShardEncoder(**header_fields, data_nbytes=len(data))
+    assert encoder.nbytes == len(reference)
+    buffer = bytearray(b"\xaa" * encoder.nbytes)  # garbage: every byte must be written
+    payload = encoder.write_into(buffer)
+    assert len(payload) == len(data)
+    payload[:] = data
+    assert bytes(buffer) == reference
+    assert encoder.join(data) == reference
+    out = bytearray(b"\x55" * (len(reference) + slack))
+    assert encode_shard_into(out, **fields) == len(reference)
+    assert bytes(out[:len(reference)]) == reference
+
+
+def test_payload_region_takes_to_wire_in_place():
+    """The narrowed chunk is the message's payload: to_wire writes into the
+    encoder's view of a (recycled, numpy) buffer, no other copy, same bytes."""
+    values = np.linspace(-3, 3, 1001, dtype=np.float32)
+    fields = dict(job="j", key="grad/0", rank=1, world_size=4, round=130, offset=7,
+                  dtype=pb.DTYPE_FLOAT16, op=pb.REDUCE_OP_MEAN, layout=99)
+    reference = pb.Shard(**fields, data=values.astype("<f2").tobytes()).SerializeToString()
+    encoder = ShardEncoder(**fields, data_nbytes=values.size * 2)
+    buffer = np.empty(encoder.nbytes + 5, dtype=np.uint8)  # 5 bytes of headroom in front
+    payload = encoder.write_into(buffer[5:])
+    wire = convert.to_wire(values, pb.DTYPE_FLOAT16, out=payload)
+    assert np.shares_memory(wire, buffer)
+    assert buffer[5:].tobytes() == reference
+    decoded = decode_shard(buffer[5:])
+    assert decoded.round == 130 and bytes(decoded.data) == values.astype("<f2").tobytes()
+
+
+def test_encoder_refuses_a_buffer_of_the_wrong_size_or_read_only():
+    encoder = ShardEncoder(job="j", key="k", data_nbytes=4)
+    with pytest.raises(ValueError, match=f"writable buffer of {encoder.nbytes} bytes, got 3"):
+        encoder.write_into(bytearray(3))
+    with pytest.raises(ValueError, match="read-only"):
+        encoder.write_into(bytes(encoder.nbytes))
+    with pytest.raises(ValueError, match="needs"):
+        encode_shard_into(bytearray(2), job="j", key="k", data=b"1234")
+    with pytest.raises(ValueError, match="data_nbytes must be >= 0"):
+        ShardEncoder(job="j", key="k", data_nbytes=-1)
+    with pytest.raises(ValueError, match="made for 4"):
+        encoder.join(b"123")

@@ -4,16 +4,20 @@ The generated protobuf classes copy `data` when parsing, again when it is
 read, and again when serializing; for megabyte shards those copies were a
 large part of the daemon's and the client's CPU time. This module speaks the
 same wire format (proto3, reducer.v1.Shard) by hand: decoding returns the data
-field as a memoryview into the received buffer, encoding writes the header
-and joins the data once. tests/unit/test_shardcodec.py checks it against the
-generated code, field by field, on arbitrary messages.
+field as a memoryview into the received buffer; ShardEncoder lays a message
+out in a caller's buffer, the data field's payload a writable view the caller
+fills (convert.to_wire(values, dtype, out=payload) narrows straight into it),
+so a message is made without a copy of its data; encode_shard joins the data
+once into new bytes. tests/unit/test_shardcodec.py checks both against the
+generated code, byte for byte, on arbitrary messages.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ShardView", "decode_shard", "encode_shard", "DecodeError"]
+__all__ = ["ShardView", "ShardEncoder", "decode_shard", "encode_shard", "encode_shard_into",
+           "DecodeError"]
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -132,18 +136,82 @@ def _put_fields(out: bytearray, fields: tuple[tuple[int, int | str], ...]) -> No
             _put_varint(out, value & _U64)
 
 
+class ShardEncoder:
+    """One Shard laid out for a caller's buffer: the fields before `data`, the
+    data field's payload (data_nbytes bytes), the fields after it.
+
+        encoder = ShardEncoder(job="j", key="k", round=3, dtype=dtype, data_nbytes=n)
+        buffer = bytearray(encoder.nbytes)             # or a recycled buffer
+        payload = encoder.write_into(buffer)           # header and tail written
+        convert.to_wire(values, dtype, out=payload)    # the data, in place
+
+    The bytes are those of the generated code's SerializeToString (fields in
+    number order, defaults omitted; no data field when data_nbytes is 0).
+    """
+
+    __slots__ = ("_head", "_tail", "data_nbytes", "nbytes")
+
+    def __init__(self, *, job: str, key: str, rank: int = 0, world_size: int = 0,
+                 round: int = 0, offset: int = 0, dtype: int = 0, op: int = 0,
+                 data_nbytes: int = 0, error_code: int = 0, error_message: str = "",
+                 layout: int = 0) -> None:
+        if data_nbytes < 0:
+            raise ValueError(f"data_nbytes must be >= 0, got {data_nbytes}")
+        head = bytearray()
+        _put_fields(head, ((1, job), (2, rank), (3, world_size), (4, round), (5, key),
+                           (6, offset), (7, dtype), (8, op)))
+        if data_nbytes:
+            _put_varint(head, 9 << 3 | 2)
+            _put_varint(head, data_nbytes)
+        tail = bytearray()
+        _put_fields(tail, ((10, error_code), (11, error_message), (12, layout)))
+        self._head, self._tail = bytes(head), bytes(tail)
+        self.data_nbytes = data_nbytes
+        self.nbytes = len(head) + data_nbytes + len(tail)
+
+    def write_into(self, out: bytearray | memoryview | object) -> memoryview:
+        """Write the header and tail into `out` (exactly nbytes, writable, any
+        C-contiguous buffer); return the writable view of the data's payload."""
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]
+        if len(view) != self.nbytes or view.readonly:
+            raise ValueError(f"write_into: out must be a writable buffer of {self.nbytes} "
+                             f"bytes, got {len(view)}{' read-only' if view.readonly else ''}")
+        start = len(self._head)
+        end = start + self.data_nbytes
+        view[:start] = self._head
+        view[end:] = self._tail
+        return view[start:end]
+
+    def join(self, data: bytes | memoryview) -> bytes:
+        """The whole message as new bytes, `data` (data_nbytes bytes) copied once."""
+        if memoryview(data).nbytes != self.data_nbytes:
+            raise ValueError(f"data has {memoryview(data).nbytes} bytes, the encoder "
+                             f"was made for {self.data_nbytes}")
+        if not self.data_nbytes:
+            return self._head + self._tail
+        return b"".join((self._head, data, self._tail))
+
+
 def encode_shard(*, job: str, key: str, rank: int = 0, world_size: int = 0, round: int = 0,
                  offset: int = 0, dtype: int = 0, op: int = 0,
                  data: bytes | memoryview = b"", error_code: int = 0,
                  error_message: str = "", layout: int = 0) -> bytes:
     """Serialize a Shard exactly as the generated code does (fields in number order)."""
-    head = bytearray()
-    _put_fields(head, ((1, job), (2, rank), (3, world_size), (4, round), (5, key),
-                       (6, offset), (7, dtype), (8, op)))
-    tail = bytearray()
-    _put_fields(tail, ((10, error_code), (11, error_message), (12, layout)))
-    if len(data):
-        _put_varint(head, 9 << 3 | 2)
-        _put_varint(head, memoryview(data).nbytes)
-        return b"".join((head, data, tail))
-    return bytes(head + tail)
+    return ShardEncoder(job=job, key=key, rank=rank, world_size=world_size, round=round,
+                        offset=offset, dtype=dtype, op=op, data_nbytes=memoryview(data).nbytes,
+                        error_code=error_code, error_message=error_message,
+                        layout=layout).join(data)
+
+
+def encode_shard_into(out: bytearray | memoryview | object, *, job: str, key: str,
+                      data: bytes | memoryview = b"", **fields: int | str) -> int:
+    """Serialize a Shard into the start of `out` (writable, large enough); the
+    number of bytes written. The data is copied once, into place."""
+    encoder = ShardEncoder(job=job, key=key, data_nbytes=memoryview(data).nbytes,
+                           **fields)  # type: ignore[arg-type]
+    view = memoryview(out).cast("B")  # type: ignore[arg-type]
+    if len(view) < encoder.nbytes:
+        raise ValueError(f"encode_shard_into: the message needs {encoder.nbytes} bytes, "
+                         f"out has {len(view)}")
+    encoder.write_into(view[:encoder.nbytes])[:] = memoryview(data).cast("B")
+    return encoder.nbytes
