@@ -1,11 +1,15 @@
-"""The wire conversions, C (reducer_wire._kernels) against NumPy, same run.
+"""The wire conversions, C (reducer_wire._kernels) against NumPy and the bare instruction, same run.
 
     python scripts/wire_speed.py [--mib 64] [--repeat 5]
 
 Times, per 1 MiB chunk as the client and daemon use them, float32 -> float16
-of a --mib MiB float32 gradient, float16 -> float32 of the result, and the
-daemon's float16 widen-and-add into a float32 accumulator; prints the best of
---repeat for each implementation and the ratio.
+of a --mib MiB float32 gradient (into one reused message buffer, as the send
+path does with to_wire(out=), and into a new array per chunk), float16 ->
+float32 of the result, and the daemon's float16 widen-and-add into a float32
+accumulator. Each runs with every instruction set the CPU has (AVX-512,
+F16C) and with NumPy; the narrowing is also compared with a bare vcvtps2ph
+loop of the same width (no NaN handling, so not a wire conversion): the ratio
+"ours / bare" is what the NaN handling costs. Prints the best of --repeat.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 from reducer_wire import convert
@@ -24,7 +29,7 @@ F16 = pb.DTYPE_FLOAT16
 CHUNK = 1 << 19  # float16 elements in a 1 MiB chunk
 
 
-def best_of(repeat: int, fn) -> float:
+def best_of(repeat: int, fn: Callable[[], None]) -> float:
     fn()
     times = []
     for _ in range(repeat):
@@ -34,43 +39,92 @@ def best_of(repeat: int, fn) -> float:
     return min(times)
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    if not convert.accelerated():
+    kernels = convert.kernels()
+    if kernels is None:
         print("reducer_wire._kernels is not built (no C compiler?)", file=sys.stderr)
         return 1
     x = np.random.default_rng(0).standard_normal(args.mib << 18).astype(np.float32)
     out = np.empty_like(x)
     acc = np.zeros(CHUNK, dtype=np.float32)
+    message = np.empty(CHUNK * 2, dtype=np.uint8)  # one chunk's payload, reused
     starts = range(0, x.size, CHUNK)
     encoded = [convert.to_wire(x[i:i + CHUNK], F16).tobytes() for i in starts]
 
-    def narrow():
+    def narrow_into_message() -> None:
+        for i in starts:
+            convert.to_wire(x[i:i + CHUNK], F16, out=message[:2 * x[i:i + CHUNK].size])
+
+    def narrow_new_array() -> None:
         for i in starts:
             convert.to_wire(x[i:i + CHUNK], F16)
 
-    def widen():
+    def bare() -> None:
+        for i in starts:
+            chunk = x[i:i + CHUNK]
+            kernels.f32_to_f16_bare(chunk, message[:2 * chunk.size])
+
+    def widen() -> None:
         for i, data in zip(starts, encoded, strict=True):
             convert.from_wire(data, F16, out[i:i + CHUNK])
 
-    def add():
+    def add() -> None:
         scratch = np.empty(CHUNK, dtype=np.float32)
         for data in encoded:
             accumulate.add_wire_into(acc[:len(data) // 2], data, F16, scratch)
 
-    print(f"{args.mib} MiB float32 gradient, 1 MiB float16 chunks, best of {args.repeat}:")
-    for name, fn in (("float32 -> float16", narrow), ("float16 -> float32", widen),
-                     ("float16 add into float32", add)):
+    isas = []
+    for name in ("avx512", "f16c"):
+        if kernels.set_isa(name) == name:
+            isas.append(name)
+    kernels.set_isa("best")
+    print(f"{cpu_model()}; {args.mib} MiB float32 gradient, 1 MiB float16 chunks, "
+          f"best of {args.repeat} (ms):")
+    print(f"  {'':<34}" + "".join(f"{'C ' + name:>12}" for name in isas) + f"{'NumPy':>12}")
+    for label, fn in (("float32 -> float16 into a message", narrow_into_message),
+                      ("float32 -> float16, new array", narrow_new_array),
+                      ("float16 -> float32", widen),
+                      ("float16 add into float32", add)):
+        row = []
         convert.use_accelerator(True)
-        fast = best_of(args.repeat, fn)
+        for name in isas:
+            kernels.set_isa(name)
+            row.append(best_of(args.repeat, fn))
+        kernels.set_isa("best")
         convert.use_accelerator(False)
-        slow = best_of(args.repeat, fn)
+        row.append(best_of(args.repeat, fn))
         convert.use_accelerator(True)
-        print(f"  {name:<26} C {fast * 1e3:6.1f} ms   NumPy {slow * 1e3:6.1f} ms   "
-              f"{slow / fast:4.1f}x")
+        print(f"  {label:<34}" + "".join(f"{t * 1e3:12.2f}" for t in row))
+    if isas:
+        # Alternating runs of the two, so that drift on a busy machine hits both alike.
+        bares, ours = [], []
+        for name in isas:
+            kernels.set_isa(name)
+            pairs = [(best_of(1, bare), best_of(1, narrow_into_message))
+                     for _ in range(args.repeat)]
+            bares.append(min(b for b, _ in pairs))
+            ours.append(min(o for _, o in pairs))
+        kernels.set_isa("best")
+        print(f"  {'ours (alternating with bare)':<34}"
+              + "".join(f"{t * 1e3:12.2f}" for t in ours))
+        print(f"  {'bare vcvtps2ph loop':<34}" + "".join(f"{t * 1e3:12.2f}" for t in bares))
+        print(f"  {'ours / bare (narrowing)':<34}"
+              + "".join(f"{o / b:12.2f}" for o, b in zip(ours, bares, strict=True)))
     return 0
 
 

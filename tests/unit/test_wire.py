@@ -116,21 +116,32 @@ def test_float16_narrowing_matches_numpy_bit_for_bit():
 
 # -- the C conversions (reducer_wire._kernels) against the NumPy ones ----------
 
-@pytest.fixture(params=["numpy", "c", "c-portable"])
+ISAS = ["avx512", "f16c", "portable"]
+
+
+def _use_isa(name):
+    """Switch the C kernels to instruction set `name`; skip where the CPU lacks it."""
+    kernels = pytest.importorskip("reducer_wire._kernels")
+    if kernels.set_isa(name) != name:
+        kernels.set_isa("best")
+        pytest.skip(f"this CPU has no {name}")
+    return kernels
+
+
+@pytest.fixture(params=["numpy", *ISAS])
 def codec(request):
-    """Run a test with each implementation of to_wire / from_wire / add_wire_into."""
+    """Run a test with each implementation of to_wire / from_wire / add_wire_into:
+    NumPy, and the C kernels with each instruction set the CPU has."""
     if request.param == "numpy":
         previous = convert.use_accelerator(False)
         yield request.param
         convert.use_accelerator(previous)
         return
-    fastwire = pytest.importorskip("reducer_wire._kernels")
+    kernels = _use_isa(request.param)
     previous = convert.use_accelerator(True)
-    had_f16c = fastwire.set_f16c(request.param == "c")
     yield request.param
-    fastwire.set_f16c(True)
+    kernels.set_isa("best")
     convert.use_accelerator(previous)
-    del had_f16c
 
 
 def _awkward_float32(rng, count):
@@ -191,3 +202,98 @@ def test_c_codec_rejects_buffers_of_different_lengths():
         fastwire.f16_add(np.ones(4, np.float32), np.ones(5, np.float16))
     with pytest.raises(TypeError):
         fastwire.f16_to_f32(np.ones(4, np.float16), b"read-only destination")
+
+
+def _numpy_f16_bits(values):
+    """NumPy's float16 cast with the wire's NaN: 0x7E00 with the sign."""
+    with np.errstate(all="ignore"):
+        bits = values.astype(np.float16).view(np.uint16)
+    nan = np.isnan(values)
+    return np.where(nan, np.where(np.signbit(values), 0xFE00, 0x7E00), bits).astype(np.uint16)
+
+
+def _nan_patterns(rng, count):
+    """float32 NaNs of every kind: quiet and signalling, both signs, payloads
+    in the bits vcvtps2ph keeps and in those it drops."""
+    payload = rng.integers(1, 1 << 23, count, dtype=np.uint32)
+    sign = rng.integers(0, 2, count, dtype=np.uint32) << np.uint32(31)
+    bits = sign | np.uint32(0x7F800000) | payload
+    special = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF802000], np.uint32)
+    bits[:4] = special[:count]
+    return bits.view(np.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_narrowing_fixes_every_nan_lane_in_every_vector_group(isa):
+    """A NaN in any lane of a 32-element group (the SIMD loops test a whole
+    group at once and fix up only groups with a NaN) becomes 0x7E00 | sign,
+    and the numbers in the same group are not disturbed; every length of tail."""
+    kernels = _use_isa(isa)
+    rng = np.random.default_rng(7)
+    try:
+        for n in (*range(0, 70), 95, 96, 97, 1000):
+            values = (rng.standard_normal(n) * 1000).astype(np.float32)
+            if n:
+                lanes = rng.integers(0, n, max(1, n // 16))
+                values[lanes] = _nan_patterns(rng, lanes.size)
+            for offset in (0, 4, 2):  # aligned, 4-byte aligned, odd 2-byte offsets
+                raw = bytearray(4 * n + 8)
+                src = np.frombuffer(raw, np.float32, n, offset) if offset % 4 == 0 else \
+                    np.frombuffer(memoryview(raw)[offset:offset + 4 * n], np.float32)
+                src[...] = values
+                out = bytearray(2 * n + 3)
+                dst = memoryview(out)[1:1 + 2 * n]  # odd address
+                kernels.f32_to_f16(src, dst)
+                got = np.frombuffer(dst, np.uint16)
+                assert np.array_equal(got, _numpy_f16_bits(values)), (n, offset)
+        every_lane = np.ones((32, 32), np.float32)
+        every_lane[np.arange(32), np.arange(32)] = np.float32("nan")  # NaN in lane i of row i
+        flat = every_lane.reshape(-1)
+        got = np.empty(flat.size, np.uint16)
+        kernels.f32_to_f16(flat, got)
+        assert np.array_equal(got, _numpy_f16_bits(flat))
+    finally:
+        kernels.set_isa("best")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_widening_and_adding_every_length_and_alignment(isa):
+    kernels = _use_isa(isa)
+    rng = np.random.default_rng(8)
+    try:
+        for n in (*range(0, 70), 95, 96, 97, 1000):
+            bits = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+            expected = bits.view(np.float16).astype(np.float32)
+            nan = np.isnan(expected)
+            for offset in (0, 1, 2):
+                message = bytearray(offset) + bits.tobytes()
+                src = memoryview(message)[offset:]
+                out = np.zeros(n + 1, np.float32)[1:]  # 4 bytes past a 64-byte boundary
+                kernels.f16_to_f32(src, out)
+                assert np.array_equal(out[~nan].view(np.uint32),
+                                      expected[~nan].view(np.uint32)), (n, offset)
+                assert np.isnan(out[nan]).all()
+                acc = rng.standard_normal(n + 3).astype(np.float32)[3:]
+                want = acc.copy()
+                with np.errstate(all="ignore"):
+                    want += expected
+                kernels.f16_add(acc, src)
+                assert np.array_equal(acc[~nan], want[~nan]), (n, offset)
+                assert np.isnan(acc[nan]).all()
+    finally:
+        kernels.set_isa("best")
+
+
+def test_kernels_use_the_widest_instructions_the_cpu_has():
+    """Runtime dispatch: AVX-512 where the CPU has it, else F16C (never the
+    portable loop on an x86-64 CPU with F16C)."""
+    kernels = pytest.importorskip("reducer_wire._kernels")
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    expected = ("avx512" if "avx512f" in flags else
+                "f16c" if {"avx", "f16c"} <= flags else "portable")
+    assert kernels.set_isa("best") == expected == kernels.isa()
+    with pytest.raises(ValueError, match="one of"):
+        kernels.set_isa("sse9")

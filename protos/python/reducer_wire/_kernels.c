@@ -3,9 +3,10 @@
  *
  * NumPy does these in a dozen whole-array passes (convert.py), about 1 ns per
  * element: on both ends that was more CPU than the sums and the I/O together.
- * Here each element is touched once. x86-64 CPUs with F16C use its
- * conversion instructions (8 elements at a time); everywhere else the same
- * integer algorithm as convert.py runs element by element. Every function gives
+ * Here each element is touched once. x86-64 CPUs use their conversion
+ * instructions: AVX-512F (16 elements at a time) where the CPU has it, else
+ * F16C (8 at a time), chosen at run time; everywhere else the same integer
+ * algorithm as convert.py runs element by element. Every function gives
  * the same bits as convert.py's NumPy code (tests/unit/test_wire.py checks all
  * float16 patterns and millions of float32 ones), so results do not depend
  * on which ends have the extension:
@@ -22,7 +23,7 @@
 #include <string.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define HAVE_F16C_PATH 1
+#define HAVE_SIMD_PATHS 1
 #include <immintrin.h>
 #endif
 
@@ -86,50 +87,198 @@ static void f16_add_generic(float *acc, const char *src, Py_ssize_t n) {
         acc[i] += float_from_half_bits(load_u16(src + 2 * i));
 }
 
-/* ---- F16C: vcvtps2ph / vcvtph2ps, 8 lanes ---- */
+/* ---- SIMD paths: F16C (8 lanes) and AVX-512F (16 lanes) ----
+ *
+ * Each function carries its own target attribute and is called only after
+ * __builtin_cpu_supports said yes, so the module is built without global -m
+ * flags and still runs on CPUs without these instructions.
+ *
+ * Narrowing: vcvtps2ph rounds to nearest even and overflows to infinity as
+ * the wire wants, but keeps a NaN's payload, while the wire has one NaN per
+ * sign (0x7E00 | sign, as NumPy's cast). Each group of vectors is tested for
+ * NaN with one compare per vector and one mask test per group; only a group
+ * with a NaN takes the fix-up (the lane becomes sign | quiet NaN with no
+ * payload, which vcvtps2ph turns into 0x7E00 | sign). Numbers pay two
+ * instructions per vector, no blend. (gcc 12 turned the former blendv into
+ * per-lane branches: 2-8x slower than the bare instruction.)
+ *
+ * Loads and stores are unaligned (shard data sits anywhere in a message);
+ * where the float32 side can be aligned to a cache line by a short scalar
+ * head, it is, so that no 64-byte load is split across two lines. */
 
-#ifdef HAVE_F16C_PATH
+#ifdef HAVE_SIMD_PATHS
+/* Elements to do one by one so that `p` (4-byte aligned) reaches a 64-byte boundary. */
+static inline Py_ssize_t head_to_align(const void *p, Py_ssize_t n) {
+    uintptr_t a = (uintptr_t)p;
+    if (a % 4) return 0;  /* cannot be aligned by whole elements */
+    Py_ssize_t k = (Py_ssize_t)(((64 - a % 64) % 64) / 4);
+    return k < n ? k : n;
+}
+
+__attribute__((target("avx,f16c")))
+static inline __m256 canonical_nan_256(__m256 x, __m256 nan) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+    __m256 canon = _mm256_or_ps(_mm256_and_ps(x, sign), quiet);
+    return _mm256_or_ps(_mm256_andnot_ps(nan, x), _mm256_and_ps(nan, canon));
+}
+
 __attribute__((target("avx,f16c")))
 static void f32_to_f16_f16c(const char *src, char *dst, Py_ssize_t n) {
-    const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps((const float *)(src + 4 * i));
-        /* Canonical NaN (0x7E00 | sign) as in convert.py, not the hardware's
-         * payload-keeping one: keep the sign, replace the rest. */
-        __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-        __m256 canon = _mm256_or_ps(_mm256_andnot_ps(abs_mask, x), quiet_nan);
-        x = _mm256_blendv_ps(x, canon, nan);
-        __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
-        _mm_storeu_si128((__m128i *)(dst + 2 * i), h);
+    Py_ssize_t i = head_to_align(src, n);
+    f32_to_f16_generic(src, dst, i);
+    for (; i + 32 <= n; i += 32) {
+        const float *s = (const float *)(src + 4 * i);
+        __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
+        __m256 c = _mm256_loadu_ps(s + 16), d = _mm256_loadu_ps(s + 24);
+        __m256 na = _mm256_cmp_ps(a, a, _CMP_UNORD_Q), nb = _mm256_cmp_ps(b, b, _CMP_UNORD_Q);
+        __m256 nc = _mm256_cmp_ps(c, c, _CMP_UNORD_Q), nd = _mm256_cmp_ps(d, d, _CMP_UNORD_Q);
+        if (__builtin_expect(_mm256_movemask_ps(
+                _mm256_or_ps(_mm256_or_ps(na, nb), _mm256_or_ps(nc, nd))), 0)) {
+            a = canonical_nan_256(a, na);
+            b = canonical_nan_256(b, nb);
+            c = canonical_nan_256(c, nc);
+            d = canonical_nan_256(d, nd);
+        }
+        __m128i *h = (__m128i *)(dst + 2 * i);
+        _mm_storeu_si128(h, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(h + 1, _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(h + 2, _mm256_cvtps_ph(c, _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(h + 3, _mm256_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT));
     }
     f32_to_f16_generic(src + 4 * i, dst + 2 * i, n - i);
 }
 
 __attribute__((target("avx,f16c")))
 static void f16_to_f32_f16c(const char *src, char *dst, Py_ssize_t n) {
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * i));
-        _mm256_storeu_ps((float *)(dst + 4 * i), _mm256_cvtph_ps(h));
+    Py_ssize_t i = head_to_align(dst, n);
+    f16_to_f32_generic(src, dst, i);
+    for (; i + 32 <= n; i += 32) {
+        const __m128i *h = (const __m128i *)(src + 2 * i);
+        float *d = (float *)(dst + 4 * i);
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(h)), b = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+        __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), e = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
+        _mm256_storeu_ps(d, a);
+        _mm256_storeu_ps(d + 8, b);
+        _mm256_storeu_ps(d + 16, c);
+        _mm256_storeu_ps(d + 24, e);
     }
     f16_to_f32_generic(src + 2 * i, dst + 4 * i, n - i);
 }
 
 __attribute__((target("avx,f16c")))
 static void f16_add_f16c(float *acc, const char *src, Py_ssize_t n) {
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(src + 2 * i));
-        __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_cvtph_ps(h));
-        _mm256_storeu_ps(acc + i, sum);
+    Py_ssize_t i = head_to_align(acc, n);
+    f16_add_generic(acc, src, i);
+    for (; i + 32 <= n; i += 32) {
+        const __m128i *h = (const __m128i *)(src + 2 * i);
+        float *d = acc + i;
+        __m256 a = _mm256_add_ps(_mm256_loadu_ps(d), _mm256_cvtph_ps(_mm_loadu_si128(h)));
+        __m256 b = _mm256_add_ps(_mm256_loadu_ps(d + 8), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)));
+        __m256 c = _mm256_add_ps(_mm256_loadu_ps(d + 16), _mm256_cvtph_ps(_mm_loadu_si128(h + 2)));
+        __m256 e = _mm256_add_ps(_mm256_loadu_ps(d + 24), _mm256_cvtph_ps(_mm_loadu_si128(h + 3)));
+        _mm256_storeu_ps(d, a);
+        _mm256_storeu_ps(d + 8, b);
+        _mm256_storeu_ps(d + 16, c);
+        _mm256_storeu_ps(d + 24, e);
     }
     f16_add_generic(acc + i, src + 2 * i, n - i);
 }
+
+__attribute__((target("avx512f")))
+static inline __m512 canonical_nan_512(__m512 x, __mmask16 nan) {
+    /* (x & sign) | quiet, in the NaN lanes only: one ternary-logic op, one masked move. */
+    __m512i canon = _mm512_ternarylogic_epi32(_mm512_castps_si512(x),
+                                              _mm512_set1_epi32((int)0x80000000u),
+                                              _mm512_set1_epi32(0x7FC00000), 0xEA);
+    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(canon));
+}
+
+__attribute__((target("avx512f")))
+static void f32_to_f16_avx512(const char *src, char *dst, Py_ssize_t n) {
+    Py_ssize_t i = head_to_align(src, n);
+    f32_to_f16_generic(src, dst, i);
+    for (; i + 32 <= n; i += 32) {
+        const float *s = (const float *)(src + 4 * i);
+        __m512 a = _mm512_loadu_ps(s), b = _mm512_loadu_ps(s + 16);
+        __mmask16 na = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        __mmask16 nb = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+        if (__builtin_expect((na | nb) != 0, 0)) {
+            a = canonical_nan_512(a, na);
+            b = canonical_nan_512(b, nb);
+        }
+        __m256i *h = (__m256i *)(dst + 2 * i);
+        _mm256_storeu_si256(h, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+        _mm256_storeu_si256(h + 1, _mm512_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
+    }
+    f32_to_f16_generic(src + 4 * i, dst + 2 * i, n - i);
+}
+
+__attribute__((target("avx512f")))
+static void f16_to_f32_avx512(const char *src, char *dst, Py_ssize_t n) {
+    Py_ssize_t i = head_to_align(dst, n);
+    f16_to_f32_generic(src, dst, i);
+    for (; i + 32 <= n; i += 32) {
+        const __m256i *h = (const __m256i *)(src + 2 * i);
+        float *d = (float *)(dst + 4 * i);
+        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(h)));
+        _mm512_storeu_ps(d + 16, _mm512_cvtph_ps(_mm256_loadu_si256(h + 1)));
+    }
+    f16_to_f32_generic(src + 2 * i, dst + 4 * i, n - i);
+}
+
+__attribute__((target("avx512f")))
+static void f16_add_avx512(float *acc, const char *src, Py_ssize_t n) {
+    Py_ssize_t i = head_to_align(acc, n);
+    f16_add_generic(acc, src, i);
+    for (; i + 32 <= n; i += 32) {
+        const __m256i *h = (const __m256i *)(src + 2 * i);
+        float *d = acc + i;
+        __m512 a = _mm512_add_ps(_mm512_loadu_ps(d), _mm512_cvtph_ps(_mm256_loadu_si256(h)));
+        __m512 b = _mm512_add_ps(_mm512_loadu_ps(d + 16),
+                                 _mm512_cvtph_ps(_mm256_loadu_si256(h + 1)));
+        _mm512_storeu_ps(d, a);
+        _mm512_storeu_ps(d + 16, b);
+    }
+    f16_add_generic(acc + i, src + 2 * i, n - i);
+}
+
+/* The bare instruction, NaN payloads kept: not a wire conversion, only the
+ * baseline scripts/wire_speed.py compares f32_to_f16 with. */
+__attribute__((target("avx,f16c")))
+static void f32_to_f16_bare_f16c(const char *src, char *dst, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + 2 * i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps((const float *)(src + 4 * i)),
+                                         _MM_FROUND_TO_NEAREST_INT));
+    f32_to_f16_generic(src + 4 * i, dst + 2 * i, n - i);
+}
+
+__attribute__((target("avx512f")))
+static void f32_to_f16_bare_avx512(const char *src, char *dst, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps((const float *)(src + 4 * i)),
+                                            _MM_FROUND_TO_NEAREST_INT));
+    f32_to_f16_generic(src + 4 * i, dst + 2 * i, n - i);
+}
 #endif
 
-static int use_f16c = 0;
+/* The instruction set in use: the best the CPU has, unless set_isa chose less. */
+enum isa { ISA_PORTABLE = 0, ISA_F16C = 1, ISA_AVX512 = 2 };
+static const char *const isa_names[] = {"portable", "f16c", "avx512"};
+static int isa = ISA_PORTABLE;
+
+static int best_isa(void) {
+#ifdef HAVE_SIMD_PATHS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return ISA_F16C;
+#endif
+    return ISA_PORTABLE;
+}
 
 /* ---- bfloat16: plain integer work that compilers vectorise ---- */
 
@@ -207,25 +356,50 @@ done:
     return result;
 }
 
-static PyObject *py_f32_to_f16(PyObject *self, PyObject *args) {
-#ifdef HAVE_F16C_PATH
-    if (use_f16c) return convert(args, 4, 2, f32_to_f16_f16c, "f32_to_f16");
+#ifdef HAVE_SIMD_PATHS
+/* The function of each instruction set, chosen per call (set_isa may change it). */
+static narrow_fn pick_narrow(narrow_fn portable, narrow_fn f16c, narrow_fn avx512) {
+#ifdef HAVE_SIMD_PATHS
+    if (isa == ISA_AVX512) return avx512;
+    if (isa == ISA_F16C) return f16c;
 #endif
+    return portable;
+}
+#endif
+
+static PyObject *py_f32_to_f16(PyObject *self, PyObject *args) {
+#ifdef HAVE_SIMD_PATHS
+    return convert(args, 4, 2, pick_narrow(f32_to_f16_generic, f32_to_f16_f16c,
+                                           f32_to_f16_avx512), "f32_to_f16");
+#else
     return convert(args, 4, 2, f32_to_f16_generic, "f32_to_f16");
+#endif
 }
 
 static PyObject *py_f16_to_f32(PyObject *self, PyObject *args) {
-#ifdef HAVE_F16C_PATH
-    if (use_f16c) return convert(args, 2, 4, f16_to_f32_f16c, "f16_to_f32");
-#endif
+#ifdef HAVE_SIMD_PATHS
+    return convert(args, 2, 4, pick_narrow(f16_to_f32_generic, f16_to_f32_f16c,
+                                           f16_to_f32_avx512), "f16_to_f32");
+#else
     return convert(args, 2, 4, f16_to_f32_generic, "f16_to_f32");
+#endif
 }
 
 static PyObject *py_f16_add(PyObject *self, PyObject *args) {
-#ifdef HAVE_F16C_PATH
-    if (use_f16c) return accumulate(args, f16_add_f16c, "f16_add");
+#ifdef HAVE_SIMD_PATHS
+    if (isa == ISA_AVX512) return accumulate(args, f16_add_avx512, "f16_add");
+    if (isa == ISA_F16C) return accumulate(args, f16_add_f16c, "f16_add");
 #endif
     return accumulate(args, f16_add_generic, "f16_add");
+}
+
+static PyObject *py_f32_to_f16_bare(PyObject *self, PyObject *args) {
+#ifdef HAVE_SIMD_PATHS
+    if (isa == ISA_AVX512) return convert(args, 4, 2, f32_to_f16_bare_avx512, "f32_to_f16_bare");
+    if (isa == ISA_F16C) return convert(args, 4, 2, f32_to_f16_bare_f16c, "f32_to_f16_bare");
+#endif
+    PyErr_SetString(PyExc_RuntimeError, "f32_to_f16_bare: no F16C or AVX-512 in use");
+    return NULL;
 }
 
 static PyObject *py_f32_to_bf16(PyObject *self, PyObject *args) {
@@ -240,20 +414,32 @@ static PyObject *py_bf16_add(PyObject *self, PyObject *args) {
     return accumulate(args, bf16_add, "bf16_add");
 }
 
-static PyObject *py_set_f16c(PyObject *self, PyObject *arg) {
-    /* For tests: switch the F16C path off (False) or back on where the CPU has it. */
-    int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-#ifdef HAVE_F16C_PATH
-    __builtin_cpu_init();
-    use_f16c = on && __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-#endif
-    return PyBool_FromLong(use_f16c);
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    /* For tests and scripts/wire_speed.py: use at most the named instruction
+     * set ("best", "avx512", "f16c", "portable"), as far as the CPU has it. */
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    int wanted;
+    if (strcmp(name, "best") == 0 || strcmp(name, "avx512") == 0) wanted = ISA_AVX512;
+    else if (strcmp(name, "f16c") == 0) wanted = ISA_F16C;
+    else if (strcmp(name, "portable") == 0) wanted = ISA_PORTABLE;
+    else {
+        PyErr_Format(PyExc_ValueError, "set_isa: %R is not one of 'best', 'avx512', "
+                     "'f16c', 'portable'", arg);
+        return NULL;
+    }
+    int best = best_isa();
+    isa = wanted < best ? wanted : best;
+    return PyUnicode_FromString(isa_names[isa]);
+}
+
+static PyObject *py_get_isa(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(isa_names[isa]);
 }
 
 static PyMethodDef methods[] = {
     {"f32_to_f16", py_f32_to_f16, METH_VARARGS,
-     "f32_to_f16(src, dst): float32 buffer -> float16 bits, nearest even."},
+     "f32_to_f16(src, dst): float32 buffer -> float16 bits, nearest even, one NaN per sign."},
     {"f16_to_f32", py_f16_to_f32, METH_VARARGS,
      "f16_to_f32(src, dst): float16 bits -> float32 buffer, exact."},
     {"f16_add", py_f16_add, METH_VARARGS,
@@ -264,8 +450,13 @@ static PyMethodDef methods[] = {
      "bf16_to_f32(src, dst): bfloat16 bits -> float32 buffer, exact."},
     {"bf16_add", py_bf16_add, METH_VARARGS,
      "bf16_add(acc, src): float32 acc += bfloat16 src, element-wise."},
-    {"set_f16c", py_set_f16c, METH_O,
-     "set_f16c(on) -> bool: use the F16C instructions if on and the CPU has them."},
+    {"f32_to_f16_bare", py_f32_to_f16_bare, METH_VARARGS,
+     "f32_to_f16_bare(src, dst): the bare vcvtps2ph loop (NaN payloads kept); a "
+     "benchmark baseline, not a wire conversion."},
+    {"set_isa", py_set_isa, METH_O,
+     "set_isa(name) -> str: use at most 'avx512', 'f16c' or 'portable' ('best': all the "
+     "CPU has); returns the instruction set now in use."},
+    {"isa", py_get_isa, METH_NOARGS, "isa() -> str: the instruction set in use."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -276,9 +467,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) {
-#ifdef HAVE_F16C_PATH
-    __builtin_cpu_init();
-    use_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-#endif
+    isa = best_isa();
     return PyModule_Create(&module);
 }

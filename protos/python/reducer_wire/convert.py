@@ -1,7 +1,7 @@
 """Conversion of wire dtypes to and from float32 (and float64, float16 arrays).
 
-The conversions run in C (reducer_wire._kernels: F16C instructions where
-the CPU has them, no GIL) when the extension was built, which setup.py does
+The conversions run in C (reducer_wire._kernels: AVX-512 or F16C instructions
+where the CPU has them, no GIL) when the extension was built, which setup.py does
 wherever a C compiler is at hand; else in NumPy, as described below. Both
 give the same bits (NaN payloads aside, which stay NaN): which end has the
 extension never changes a result. use_accelerator(False) selects the NumPy code
