@@ -1,9 +1,16 @@
-"""The process-wide client behind the Horovod-shaped init() of every shim.
+"""The process-wide client and the shims' basics, bound once.
 
 One Reducer per process, shared by reducer_client.torch, .tensorflow and
 .mxnet (a process trains with one framework, and one client keeps the round
-counters of its keys in one place). Each shim's init(), client() and
-shutdown() are these functions; nothing else in the package holds a client.
+counters of its keys in one place). As Horovod's HorovodBasics is rebound in
+each framework module, each shim makes one `Basics(shim_name)` and rebinds
+its methods as the module's functions:
+
+    _basics = Basics("reducer_client.torch")
+    init, shutdown, rank, size = _basics.init, _basics.shutdown, _basics.rank, _basics.size
+
+Every Basics works on the same process-wide client; the shim's name only
+goes into its error messages. Nothing else in the package holds a client.
 """
 
 from __future__ import annotations
@@ -14,69 +21,122 @@ from typing import Any
 
 from reducer_client.api import Reducer
 
-__all__ = ["init", "client", "shutdown", "is_initialized"]
-
-# _lock guards _client and _atexit_set; taken by whichever thread calls these
-# functions (the user's, or a framework's worker thread running a reduction).
-_lock = threading.Lock()
-_client: Reducer | None = None
-_atexit_set = False
+__all__ = ["Basics"]
 
 
-def init(reducer: Reducer | None = None, **client_kwargs: Any) -> Reducer:
-    """Set the process-wide client and return it.
+class _ProcessClient:
+    """The one process-wide Reducer (module-level singleton _PROCESS below)."""
 
-    With no arguments: keep the client already set, else build one with
-    ReducerClient.from_env() (REDUCER_ADDRESSES, REDUCER_JOB, rank and world
-    size from REDUCER_RANK / REDUCER_WORLD_SIZE or the launcher's variables).
-    Keyword arguments are ReducerClient's: with addresses, rank and world_size
-    all given the environment is not read, otherwise they override it.
-    `reducer` installs any reducer_client.api.Reducer (a LocalGroup client in
-    tests). A client replaced by arguments is closed. The client is closed at
-    interpreter exit.
+    def __init__(self) -> None:
+        # _lock guards current and _atexit_set; taken by whichever thread
+        # calls the basics (the user's, or a framework's thread running a
+        # reduction).
+        self._lock = threading.Lock()
+        self.current: Reducer | None = None
+        self._atexit_set = False
+
+    def get(self) -> Reducer | None:
+        with self._lock:
+            return self.current
+
+    def install(self, reducer: Reducer) -> None:
+        """Make `reducer` the process-wide client; close the one it replaces."""
+        with self._lock:
+            previous, self.current = self.current, reducer
+            if not self._atexit_set:
+                atexit.register(self.clear)
+                self._atexit_set = True
+        if previous is not None and previous is not reducer:
+            previous.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            current, self.current = self.current, None
+        if current is not None:
+            current.close()
+
+
+_PROCESS = _ProcessClient()
+
+
+def _build_client(client_kwargs: dict[str, Any]) -> Reducer:
+    from reducer_client.client import ReducerClient  # grpc only when needed
+
+    if {"addresses", "rank", "world_size"} <= client_kwargs.keys():
+        return ReducerClient(**{"job": "default", **client_kwargs})
+    return ReducerClient.from_env(**client_kwargs)
+
+
+class Basics:
+    """init / shutdown / is_initialized / rank / size / local_rank / local_size of a shim.
+
+    `shim` (e.g. "reducer_client.torch") names the shim in errors.
+    create_on_use: client() builds the client from the environment when none
+    is set (the MXNet store, which mx.kv.create makes without arguments),
+    instead of raising.
     """
-    global _client, _atexit_set
-    if reducer is None:
-        with _lock:
-            if _client is not None and not client_kwargs:
-                return _client
-        from reducer_client.client import ReducerClient  # grpc only when needed
 
-        if {"addresses", "rank", "world_size"} <= client_kwargs.keys():
-            reducer = ReducerClient(**{"job": "default", **client_kwargs})
-        else:
-            reducer = ReducerClient.from_env(**client_kwargs)
-    with _lock:
-        previous, _client = _client, reducer
-        if not _atexit_set:
-            atexit.register(shutdown)
-            _atexit_set = True
-    if previous is not None and previous is not reducer:
-        previous.close()
-    return reducer
+    def __init__(self, shim: str, *, create_on_use: bool = False) -> None:
+        self.shim = shim
+        self.create_on_use = create_on_use
 
+    def init(self, reducer: Reducer | None = None, **client_kwargs: Any) -> Reducer:
+        """Set the process-wide client and return it.
 
-def client(shim: str = "reducer_client", create: bool = False) -> Reducer:
-    """The process-wide client; with create=True built from the environment
-    on first use, else RuntimeError naming `shim`'s init() when none is set."""
-    with _lock:
-        current = _client
-    if current is not None:
-        return current
-    if create:
-        return init()
-    raise RuntimeError(f"{shim} is not initialised: call {shim}.init() first")
+        With no arguments: keep the client already set, else build one with
+        ReducerClient.from_env() (REDUCER_ADDRESSES, REDUCER_JOB, rank and
+        world size from REDUCER_RANK / REDUCER_WORLD_SIZE or the launcher's
+        variables: torchrun, TF_CONFIG, DMLC_*). Keyword arguments are
+        ReducerClient's: with addresses, rank and world_size all given the
+        environment is not read, otherwise they override it. `reducer`
+        installs any reducer_client.api.Reducer (a LocalGroup client in
+        tests). A client replaced by another is closed; the client is closed
+        at interpreter exit. Every shim shares this one client.
+        """
+        if reducer is not None and client_kwargs:
+            raise ValueError(f"{self.shim}.init: give either a reducer or ReducerClient "
+                             f"keyword arguments, not both (got {sorted(client_kwargs)})")
+        if reducer is None:
+            current = _PROCESS.get()
+            if current is not None and not client_kwargs:
+                return current
+            reducer = _build_client(client_kwargs)
+        _PROCESS.install(reducer)
+        return reducer
 
+    def client(self) -> Reducer:
+        """The process-wide client; RuntimeError naming this shim's init() when none is set."""
+        current = _PROCESS.get()
+        if current is not None:
+            return current
+        if self.create_on_use:
+            return self.init()
+        raise RuntimeError(f"{self.shim} is not initialised: call {self.shim}.init() first")
 
-def is_initialized() -> bool:
-    with _lock:
-        return _client is not None
+    def resolve(self, reducer: Reducer | None) -> Reducer:
+        """`reducer` when given, else the process-wide client (the shims' `reducer=`)."""
+        return reducer if reducer is not None else self.client()
 
+    def is_initialized(self) -> bool:
+        """Whether a process-wide client is set."""
+        return _PROCESS.get() is not None
 
-def shutdown() -> None:
-    """Close the process-wide client (its open reductions fail) and forget it."""
-    global _client
-    with _lock:
-        current, _client = _client, None
-    if current is not None:
-        current.close()
+    def shutdown(self) -> None:
+        """Close the process-wide client (its open reductions fail) and forget it."""
+        _PROCESS.clear()
+
+    def rank(self) -> int:
+        """This worker's rank in the job, 0 .. size() - 1."""
+        return self.client().rank
+
+    def size(self) -> int:
+        """The number of workers in the job."""
+        return self.client().world_size
+
+    def local_rank(self) -> int:
+        """This worker's rank among the workers on its host (0 when not known)."""
+        return self.client().local_rank
+
+    def local_size(self) -> int:
+        """The number of workers on this worker's host (1 when not known)."""
+        return self.client().local_size

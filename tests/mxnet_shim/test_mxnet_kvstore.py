@@ -18,6 +18,7 @@ import grpc  # noqa: E402
 import reducer_client.mxnet as rmx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 from reducer_client import ReducerClient, ReducerError  # noqa: E402
+from reducer_client.mxnet._buffers import fusion_groups  # noqa: E402
 from support import run_workers  # noqa: E402
 
 # Keep each worker to one compute thread: the machine has 2 cores and up to
@@ -75,12 +76,20 @@ def train_worker(rank: int, world_size: int, addresses: list[str], job: str,
     x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
     net = _net(seed=100 + rank)  # different weights per rank: the broadcast must fix that
     params = list(net.collect_params().values())
-    kv = mx.kv.create("reducer") if op == "mean" else rmx.Reducer(op=op)
-    assert (kv.rank, kv.num_workers, kv.type) == (rank, world_size, "reducer")
+    # The registered store sums, as MXNet's dist_sync (contract section 5).
+    kv = mx.kv.create("reducer") if op == "sum" else rmx.Reducer(op=op)
+    assert (kv.rank, kv.num_workers, kv.type, kv.op) == (rank, world_size, "reducer", op)
+    assert (rmx.rank(), rmx.size(), rmx.local_rank(), rmx.local_size()) == (
+        rank, world_size, 0, 1)
     kv.broadcast(list(range(len(params))), [p.data() for p in params], root_rank=0)
-    cls = gluon.Trainer if trainer_kind == "trainer" else rmx.DistributedTrainer
-    trainer = cls(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                  kvstore=kv)
+    if trainer_kind == "trainer":
+        trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+    else:  # a mean: the DistributedTrainer's own store, which averages
+        trainer = rmx.DistributedTrainer(net.collect_params(), "sgd",
+                                         {"learning_rate": 0.1, "momentum": 0.9},
+                                         kvstore=kv if op == "sum" else None)
+        assert trainer._kvstore.op == op
     # mean: each worker divides by its own batch; sum: by the global batch.
     step_batch = local if op == "mean" else GLOBAL_BATCH
     weights = _train(net, trainer, x, y, step_batch)
@@ -92,7 +101,7 @@ def train_worker(rank: int, world_size: int, addresses: list[str], job: str,
     # float32 on the wire: the only difference from one process is the order
     # of float32 additions (per worker, then across workers in the daemon), a
     # few ulps per step; 1e-5 leaves room for 5 steps of momentum SGD.
-    (2, "trainer", "mean", "float32", 1e-5),
+    (2, "trainer", "sum", "float32", 1e-5),
     (4, "distributed", "sum", "float32", 1e-5),
     # float16 on the wire rounds every gradient to 11 bits (relative 2^-11 =
     # 5e-4); with |grad| < 2, lr 0.1 and momentum 0.9 over 5 steps a weight
@@ -265,7 +274,7 @@ def test_registered_store_and_its_limits():
     try:
         kv = mx.kv.create("reducer")
         assert isinstance(kv, rmx.Reducer)
-        assert (kv.type, kv.rank, kv.num_workers, kv.op) == ("reducer", 0, 1, "mean")
+        assert (kv.type, kv.rank, kv.num_workers, kv.op) == ("reducer", 0, 1, "sum")
         assert kv.is_capable("optimizer") is False
         with pytest.raises(ValueError, match="capability"):
             kv.is_capable("sparse")
@@ -302,11 +311,65 @@ def test_registered_store_and_its_limits():
     ([4, 4], 0, [[0], [1]]),           # fusion off
 ])
 def test_fusion_groups(sizes, fusion_bytes, expected):
-    items = [(str(i), np.zeros(n // 4, np.float32)) for i, n in enumerate(sizes)]
-    assert rmx._fusion_groups(items, fusion_bytes) == expected
+    items = [(n, np.dtype(np.float32)) for n in sizes]
+    assert fusion_groups(items, fusion_bytes) == expected
 
 
 def test_fusion_groups_split_by_dtype():
-    items = [("a", np.zeros(2, np.float32)), ("b", np.zeros(2, np.float16)),
-             ("c", np.zeros(2, np.float32))]
-    assert rmx._fusion_groups(items, 1 << 20) == [[0, 2], [1]]
+    items = [(8, np.dtype(np.float32)), (4, np.dtype(np.float16)), (8, np.dtype(np.float32))]
+    assert fusion_groups(items, 1 << 20) == [[0, 2], [1]]
+
+
+class _PassThrough:
+    """A one-rank backend that allocates what ReducerClient does (a result
+    array when no out= is given) and records the out= buffers it is given."""
+
+    rank, world_size, local_rank, local_size = 0, 1, 0, 1
+    timeout, wire_dtype = 10.0, "float32"
+
+    def __init__(self) -> None:
+        self.outs: list[tuple[str, int | None]] = []
+
+    def allreduce_async(self, array, key, op="sum", *, out=None):
+        from concurrent.futures import Future
+
+        self.outs.append((key, None if out is None else out.ctypes.data))
+        result = np.empty(array.shape, array.dtype) if out is None else out
+        np.copyto(result, array)
+        future = Future()
+        future.set_result(result)
+        return future
+
+    def close(self):
+        pass
+
+
+def test_pushpull_reduces_into_kept_buffers():
+    """Steady-state pushpull hands the core the same buffer per transfer as out=,
+    and allocates no host arrays (tracemalloc sees NumPy's allocations)."""
+    import tracemalloc
+
+    backend = _PassThrough()
+    kv = rmx.Reducer(fusion_bytes=1024, backend=backend)
+    grads = [mx.nd.full((100,), 1.0), mx.nd.full((50,), 2.0), mx.nd.full((1 << 20,), 3.0)]
+    targets = [mx.nd.zeros(g.shape) for g in grads]
+
+    def step():
+        kv.pushpull([0, 1, 2], grads, out=targets)
+        mx.nd.waitall()
+    step()
+    first = list(backend.outs)
+    assert len(first) == 2 and all(ptr is not None for _, ptr in first)  # [0, 1] packed
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for _ in range(3):
+            step()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert backend.outs == first * 4 and len(kv._buffers) == 2
+    assert peak < (4 << 20) // 64, peak  # the big key is 4 MiB
+    for grad, target in zip(grads, targets, strict=True):
+        np.testing.assert_array_equal(target.asnumpy(), grad.asnumpy())

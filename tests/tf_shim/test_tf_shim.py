@@ -29,18 +29,20 @@ class Recording:
     def __init__(self, inner: Reducer) -> None:
         self.inner = inner
         self.rank, self.world_size, self.timeout = inner.rank, inner.world_size, inner.timeout
+        self.local_rank, self.local_size = inner.local_rank, inner.local_size
+        self.wire_dtype = inner.wire_dtype
         self.calls: list[tuple[str, str, int]] = []
 
-    def allreduce(self, array, key, op="sum"):
+    def allreduce(self, array, key, op="sum", *, out=None):
         self.calls.append(("allreduce", key, array.size))
-        return self.inner.allreduce(array, key, op)
+        return self.inner.allreduce(array, key, op, out=out)
 
     def broadcast(self, array, key, root_rank=0):
         self.calls.append(("broadcast", key, array.size))
         return self.inner.broadcast(array, key, root_rank)
 
-    def allreduce_async(self, array, key, op="sum"):
-        return self.inner.allreduce_async(array, key, op)
+    def allreduce_async(self, array, key, op="sum", *, out=None):
+        return self.inner.allreduce_async(array, key, op, out=out)
 
     def broadcast_async(self, array, key, root_rank=0):
         return self.inner.broadcast_async(array, key, root_rank)
@@ -273,7 +275,57 @@ def test_broadcast_tensor_in_graph(single):
     assert single.calls == [("broadcast", "tf/broadcast/t", 8)]
 
 
+def test_unnamed_calls_share_one_key_per_kind():
+    """Unnamed allreduce and broadcast of changing shapes and dtypes pair up
+    in call order, under one key each: the client's keys do not grow."""
+    shapes = [(3,), (2, 2), (7,), (1,), (3,)] * 4
+
+    def work(reducer):
+        sums, copies = [], []
+        for i, shape in enumerate(shapes):
+            dtype = tf.float64 if i % 3 else tf.float32
+            value = tf.fill(shape, tf.constant(float(reducer.rank + i), dtype))
+            sums.append(rtf.allreduce(value, op="sum", reducer=reducer).numpy())
+            copies.append(rtf.broadcast(value, root_rank=1, reducer=reducer).numpy())
+        return sums, copies, dict(reducer._rounds)
+    for sums, copies, rounds in on_ranks(2, work):
+        for i, (total, copy) in enumerate(zip(sums, copies, strict=True)):
+            assert total.shape == shapes[i] and np.all(total == 2 * i + 1)
+            assert np.all(copy == i + 1)
+        assert rounds == {"tf/unnamed/allreduce": len(shapes),
+                          "tf/unnamed/broadcast": len(shapes)}
+
+
+def test_results_stay_valid_after_later_calls(single):
+    """TensorFlow keeps the returned array's memory as the tensor: every call
+    must answer in memory of its own, never a buffer a later call reuses."""
+    @tf.function
+    def step(x):
+        return rtf.allreduce(x, name="g")
+    first_eager = rtf.allreduce(tf.fill([1000], 1.0), name="e")
+    first_graph = step(tf.fill([1000], 2.0))
+    for value in range(3, 6):
+        rtf.allreduce(tf.fill([1000], float(value)), name="e")
+        step(tf.fill([1000], float(value)))
+    assert np.all(first_eager.numpy() == 1.0) and np.all(first_graph.numpy() == 2.0)
+
+
 # -- init ------------------------------------------------------------------
+
+def test_basics_are_the_process_wide_client():
+    reducer = rtf.init(LocalGroup(3).client(2))
+    try:
+        assert rtf.client() is reducer and rtf.is_initialized()
+        assert (rtf.rank(), rtf.size(), rtf.local_rank(), rtf.local_size()) == (2, 3, 2, 3)
+        assert rtf.callbacks.BroadcastGlobalVariablesCallback is \
+            rtf.BroadcastGlobalVariablesCallback
+    finally:
+        rtf.shutdown()
+    assert not rtf.is_initialized()
+    for basic in (rtf.client, rtf.rank, rtf.size, rtf.local_rank, rtf.local_size):
+        with pytest.raises(RuntimeError, match=r"call reducer_client\.tensorflow\.init\(\)"):
+            basic()
+
 
 def test_init_and_errors_before_init(monkeypatch):
     rtf.shutdown()

@@ -36,11 +36,14 @@ def process_client():
 def test_init_client_shutdown(process_client):
     assert rt.is_initialized() and rt.client() is process_client
     assert rt.init() is process_client  # a second init keeps the first client
-    assert (rt.rank(), rt.size()) == (0, 1)
+    assert (rt.rank(), rt.size(), rt.local_rank(), rt.local_size()) == (0, 1, 0, 1)
     rt.shutdown()
     assert not rt.is_initialized()
-    with pytest.raises(RuntimeError, match="init"):
-        rt.client()
+    for basic in (rt.client, rt.rank, rt.size, rt.local_rank, rt.local_size):
+        with pytest.raises(RuntimeError, match=r"reducer_client\.torch\.init\(\)"):
+            basic()
+    with pytest.raises(ValueError, match="not both"):
+        rt.init(LocalGroup(1).client(0), wire_dtype="float32")
 
 
 def test_init_from_arguments_does_not_read_environment(monkeypatch):
@@ -207,7 +210,7 @@ def test_hook_failure_fails_the_future():
     class Failing:
         rank, world_size, timeout = 0, 1, 1.0
 
-        def allreduce_async(self, array, key, op="sum"):
+        def allreduce_async(self, array, key, op="sum", *, out=None):
             raise rt.ReducerError(__import__("grpc").StatusCode.UNAVAILABLE, "daemon down")
 
     future = rt.allreduce_hook(Failing(), FakeBucket(0, torch.zeros(3)))

@@ -7,6 +7,7 @@
     rt.broadcast_parameters(model.state_dict(), root_rank=0)
     rt.broadcast_optimizer_state(opt, root_rank=0)
     t = rt.allreduce(tensor, name="x", op="mean")
+    rt.rank(), rt.size(), rt.local_rank(), rt.local_size(), rt.shutdown()
 
 This package only converts tensors to and from NumPy and plugs into
 PyTorch's hook points; chunking, streams, retries and timeouts are the core's
@@ -15,7 +16,7 @@ reducer_client.ReducerError.
 """
 
 from reducer_client.errors import ReducerError
-from reducer_client.torch._process import client, init, is_initialized, rank, shutdown, size
+from reducer_client.torch._basics import basics as _basics
 from reducer_client.torch.functions import (
     allreduce,
     broadcast_object,
@@ -24,6 +25,16 @@ from reducer_client.torch.functions import (
 )
 from reducer_client.torch.hooks import allreduce_hook
 from reducer_client.torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
+
+# Bound once in reducer_client.process, as Horovod binds its basics.
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+client = _basics.client
+rank = _basics.rank
+size = _basics.size
+local_rank = _basics.local_rank
+local_size = _basics.local_size
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -37,6 +48,8 @@ __all__ = [
     "client",
     "init",
     "is_initialized",
+    "local_rank",
+    "local_size",
     "rank",
     "shutdown",
     "size",

@@ -1,16 +1,22 @@
 """Tensors to and from the core's NumPy arrays, on any device.
 
-The core takes float16, float32 and float64 NumPy arrays and copies its input
-before allreduce_async returns. So a CPU tensor of those dtypes is handed over
-as a zero-copy view; bfloat16 (which NumPy lacks) widens to float32, exactly.
-
-CUDA tensors go through a pinned host buffer per key, reused across steps:
-the device-to-host copy is queued on the current CUDA stream without
-blocking, and one staging thread waits for it and hands the buffer to the
-core, so the autograd thread that launched it keeps queuing kernels. The
-result goes back through the same buffer with a non-blocking host-to-device
-copy on the stream the caller names. Any other device takes a plain blocking
-copy through the CPU.
+The core takes float16, float32 and float64 NumPy arrays, converts its input
+to the wire dtype before allreduce_async returns, and writes the result into
+a buffer the caller names (out=, which may be the input). So the reductions
+of flat buffers (DDP buckets, the optimizer's buckets) that Staging runs
+allocate nothing per step:
+- a contiguous CPU tensor of those dtypes is handed over as a zero-copy
+  NumPy view and reduced in place (out= the same view);
+- another CPU tensor (bfloat16, which NumPy lacks) is copied into a float32
+  host buffer kept for its key, reduced in place there, and copied back;
+- CUDA tensors go through a pinned host buffer per key, reused across
+  steps: the device-to-host copy is queued on the current CUDA stream
+  without blocking, one staging thread waits for it and hands the buffer to
+  the core, which reduces into it, so the autograd thread that launched it
+  keeps queuing kernels. The result goes back from the same buffer with a
+  non-blocking host-to-device copy on the stream the caller names.
+One-off calls (to_numpy) take a view where they can, else a copy; any
+device other than CPU and CUDA takes a plain blocking copy through the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 
 from reducer_client.api import Reducer
 
-__all__ = ["flat_dtype", "to_numpy", "staging_for", "Staging"]
+__all__ = ["flat_dtype", "to_numpy", "numpy_view", "staging_for", "Staging"]
 
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
@@ -33,6 +39,17 @@ _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 def flat_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype in which a tensor of `dtype` is handed to the core."""
     return dtype if dtype in _NUMPY_DTYPES else torch.float32
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """A NumPy array sharing the tensor's memory, or None where there is none.
+
+    Only contiguous CPU tensors of float16, float32 and float64 have one.
+    """
+    if (tensor.device.type != "cpu" or tensor.dtype not in _NUMPY_DTYPES
+            or not tensor.is_contiguous()):
+        return None
+    return tensor.detach().numpy()
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -59,7 +76,8 @@ def _chain(source: Future, target: Future) -> None:
 
 @dataclass
 class _HostBuffer:
-    """A pinned staging buffer and the CUDA event after which it may be overwritten."""
+    """A host staging buffer (pinned for CUDA) and, for CUDA, the event after
+    which it may be overwritten."""
 
     host: torch.Tensor
     free: torch.cuda.Event | None = None
@@ -82,21 +100,33 @@ class Staging:
 
     def start(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
               ) -> Future[np.ndarray]:
-        """Start reducing the 1-D tensor `flat`; the future holds the result in NumPy."""
+        """Start reducing the 1-D tensor `flat` into itself or its key's host buffer.
+
+        The future holds the result in NumPy: a view of `flat` (CPU float16,
+        float32, float64) or of the key's host buffer; finish() writes it
+        into the tensor where it is not there already.
+        """
         if flat.device.type == "cuda":
             return self._start_cuda(reducer, flat, key, op)
-        return reducer.allreduce_async(to_numpy(flat), key, op)
+        view = numpy_view(flat)
+        if view is None:  # bfloat16, or any other non-NumPy layout
+            host = self._host_buffer(key, flat.numel(), flat_dtype(flat.dtype),
+                                     pinned=False).host
+            host.copy_(flat.reshape(-1))
+            view = host.numpy()
+        return reducer.allreduce_async(view, key, op, out=view)
 
     def finish(self, result: np.ndarray, out: torch.Tensor, key: str,
                stream: torch.cuda.Stream | None = None) -> None:
-        """Write a reduced result into the 1-D tensor `out`, converting its dtype.
+        """Make the 1-D tensor `out` hold the reduced `result`, converting its dtype.
 
-        For CUDA the copy is queued on `stream` (default: the current one), so
+        Nothing to do where the result was reduced into `out` itself. For
+        CUDA the copy is queued on `stream` (default: the current one), so
         work queued on that stream afterwards sees the result.
         """
         if out.device.type == "cuda":
             self._finish_cuda(result, out, key, stream)
-        else:
+        elif not _same_memory(result, out):
             out.copy_(torch.from_numpy(result))
 
     # -- CUDA ----------------------------------------------------------------
@@ -127,7 +157,8 @@ class Staging:
             # One staging thread, first in first out: each key's rounds reach
             # the core in launch order, the same on every rank.
             copied.synchronize()
-            _chain(reducer.allreduce_async(buffer.host.numpy(), key, op), reduced)
+            host = buffer.host.numpy()
+            _chain(reducer.allreduce_async(host, key, op, out=host), reduced)
 
         def report(done: Future) -> None:
             if done.exception() is not None:
@@ -140,9 +171,11 @@ class Staging:
                      stream: torch.cuda.Stream | None) -> None:
         with self._lock:
             buffer = self._buffers[key]
-        # Safe to overwrite: the device-to-host copy of this round completed
-        # before the core got the buffer.
-        buffer.host.numpy()[...] = result
+        if not _same_memory(result, buffer.host):
+            # A Reducer that answered elsewhere. Safe to overwrite: the
+            # device-to-host copy of this round completed before the core
+            # got the buffer.
+            buffer.host.numpy()[...] = result
         stream = stream if stream is not None else torch.cuda.current_stream(out.device)
         with torch.cuda.stream(stream):
             if out.dtype == buffer.host.dtype:
@@ -155,12 +188,13 @@ class Staging:
             free.record(stream)
         buffer.free = free
 
-    def _host_buffer(self, key: str, numel: int, dtype: torch.dtype) -> _HostBuffer:
+    def _host_buffer(self, key: str, numel: int, dtype: torch.dtype,
+                     pinned: bool = True) -> _HostBuffer:
         with self._lock:
             buffer = self._buffers.get(key)
             if buffer is None or buffer.host.numel() != numel or buffer.host.dtype != dtype:
                 # DDP rebuilds its buckets after the first step: sizes change once.
-                buffer = _HostBuffer(torch.empty(numel, dtype=dtype, pin_memory=True))
+                buffer = _HostBuffer(torch.empty(numel, dtype=dtype, pin_memory=pinned))
                 self._buffers[key] = buffer
             return buffer
 
@@ -170,6 +204,12 @@ class Staging:
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="reducer-torch-staging")
             return self._executor
+
+
+def _same_memory(result: np.ndarray, tensor: torch.Tensor) -> bool:
+    """Whether `result` is the memory of `tensor` (the reduction went in place)."""
+    return (result.ctypes.data == tensor.data_ptr()
+            and result.nbytes == tensor.numel() * tensor.element_size())
 
 
 # One Staging per Reducer, dropped with it. _stagings_lock guards the map.

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from reducer_client.api import Reducer
-from reducer_client.torch._process import next_index, resolve
+from reducer_client.torch._basics import resolve, unnamed_key
 from reducer_client.torch._tensors import to_numpy
 
 __all__ = ["allreduce", "broadcast_parameters", "broadcast_optimizer_state",
@@ -31,14 +31,13 @@ def allreduce(tensor: torch.Tensor, name: str | None = None, op: str = "mean", *
     """Average (or sum) a floating-point tensor over all workers; a new tensor back.
 
     The result has the input's dtype, shape and device. It travels in the
-    client's wire dtype. `name` must be the same on every rank (default: a
-    counter, so every rank must make its unnamed calls in the same order,
-    as with Horovod).
+    client's wire dtype. `name` must be the same on every rank; unnamed
+    calls all share one key, so every rank must make them in the same order
+    (as with Horovod).
     """
     reducer = resolve(reducer)
-    if name is None:
-        name = f"noname.{next_index(reducer, 'allreduce')}"
-    result = reducer.allreduce(to_numpy(tensor), f"allreduce/{name}", op)
+    key = unnamed_key("allreduce") if name is None else f"allreduce/{name}"
+    result = reducer.allreduce(to_numpy(tensor), key, op)
     return torch.from_numpy(result).to(device=tensor.device, dtype=tensor.dtype)
 
 
@@ -65,7 +64,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, *,
                      reducer: Reducer | None = None) -> Any:
     """Return root_rank's `obj` (pickled) on every rank; others may pass None."""
     reducer = resolve(reducer)
-    key = f"broadcast/object/{name if name is not None else 'noname'}"
+    key = unnamed_key("broadcast_object") if name is None else f"broadcast/object/{name}"
     is_root = reducer.rank == root_rank
     payload = np.frombuffer(pickle.dumps(obj) if is_root else b"", dtype=np.uint8)
     nbytes = _broadcast_bytes(reducer, np.array([payload.size], dtype=np.int64),

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from reducer_client.api import Reducer
-from reducer_client.torch._process import resolve
+from reducer_client.torch._basics import resolve
 from reducer_client.torch._tensors import staging_for
 
 __all__ = ["allreduce_hook"]
@@ -47,10 +47,14 @@ def allreduce_hook(state: Reducer | None, bucket: _GradBucket,
     timeout) fails the returned future with the ReducerError; DDP's
     backward then raises a RuntimeError that quotes it.
 
-    On CUDA the bucket goes through a pinned host buffer reused for that
-    bucket on every step, with non-blocking copies ordered on the CUDA
-    stream that was current when DDP called the hook; the future is a CUDA
-    future, so whoever waits for it waits for the copy back as well.
+    Nothing is allocated per step for the result: a CPU bucket (float16,
+    float32, float64) is reduced in place, the core writing the result into
+    the bucket's own memory; a bfloat16 CPU bucket goes through a float32
+    host buffer kept for that bucket. On CUDA the bucket goes through a
+    pinned host buffer reused for that bucket on every step, which the core
+    reduces into, with non-blocking copies ordered on the CUDA stream that
+    was current when DDP called the hook; the future is a CUDA future, so
+    whoever waits for it waits for the copy back as well.
     """
     reducer = resolve(state)
     staging = staging_for(reducer)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from reducer_client.api import Reducer
-from reducer_client.torch._process import next_index, resolve
+from reducer_client.torch._basics import next_index, resolve
 from reducer_client.torch._tensors import Staging, flat_dtype, staging_for
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES"]
@@ -47,7 +47,9 @@ class _Bucket:
     """Parameters reduced together as one flat tensor under one key.
 
     The flat tensor holds the gradients, then one presence flag per
-    parameter (1 where this rank had a gradient).
+    parameter (1 where this rank had a gradient). It is allocated at the
+    first step and reduced into itself on CPU (through its key's pinned host
+    buffer on CUDA), so later steps allocate nothing for the reduction.
     """
 
     def __init__(self, key: str, params: list[torch.Tensor], names: list[str]) -> None:

@@ -1,0 +1,222 @@
+"""The KVStore type "reducer": pushpull and broadcast through reducerd daemons."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+import numpy as np
+from mxnet.kvstore import KVStoreBase
+
+from reducer_client.api import Reducer as ReducerBackend
+from reducer_client.errors import ReducerError
+from reducer_client.mxnet._basics import basics
+from reducer_client.mxnet._buffers import (
+    BufferCache,
+    copy_contribution,
+    fusion_groups,
+    wire_key,
+    write_result,
+)
+
+__all__ = ["Reducer", "DEFAULT_FUSION_BYTES"]
+
+# Keys below this size share a transfer. 4 MiB of float32 is a few chunks of
+# the core's 1 MiB wire chunk, spread over the daemons; larger keys gain
+# nothing from packing and travel alone.
+DEFAULT_FUSION_BYTES = 4 << 20
+# Extra wait over the client's own timeout: the core fails a late operation
+# itself; this bound only catches a client that does not.
+_WAIT_MARGIN_S = 5.0
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+@KVStoreBase.register
+class Reducer(KVStoreBase):
+    """KVStore type "reducer": allreduce and broadcast through reducerd daemons.
+
+    Keys are int or str and must be used in the same order on every worker
+    (each call is one round of its keys). Values are dense float16, float32 or
+    float64 NDArrays on any context. op "sum" (the default, as MXNet's own
+    dist_sync store) or "mean" combines the workers.
+    """
+
+    def __init__(self, op: str = "sum", fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                 backend: ReducerBackend | None = None) -> None:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op {op!r}: 'sum' or 'mean'")
+        if fusion_bytes < 0:
+            raise ValueError(f"fusion_bytes must be >= 0, got {fusion_bytes}")
+        self._op = op
+        self._fusion_bytes = fusion_bytes
+        self._backend = backend if backend is not None else basics.client()
+        self._buffers = BufferCache()  # pushpull transfers reduce into these
+
+    # -- identity -----------------------------------------------------------
+
+    @property
+    def type(self) -> str:
+        return "reducer"
+
+    @property
+    def rank(self) -> int:
+        return self._backend.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._backend.world_size
+
+    @property
+    def op(self) -> str:
+        """"sum" or "mean": how the workers' contributions are combined."""
+        return self._op
+
+    @staticmethod
+    def is_capable(capability: str) -> bool:
+        """Only "optimizer" is known, and it is False: the Trainer updates locally."""
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return False
+        raise ValueError(f"reducer kvstore: unknown capability {capability!r}")
+
+    # -- operations -----------------------------------------------------------
+
+    def pushpull(self, key, value, out=None, priority: int = 0) -> None:
+        """Reduce `value` over all workers into `out` (into `value` when out is None).
+
+        key: int or str, or a list of them. value: per key an NDArray or a
+        list of NDArrays (one per device), which are summed first. out: per
+        key an NDArray or a list of NDArrays, each receiving the result.
+        Workers are combined with the store's op (sum by default). Blocks
+        until every output holds its result; `priority` is accepted for the
+        Trainer and otherwise ignored (all keys of a call travel at once).
+        Each transfer is reduced in place in a host buffer the store keeps
+        for it, so repeated calls allocate no host arrays.
+        """
+        keys, values, outs = self._normalize(key, value, out)
+
+        def start(buffer: np.ndarray, transfer_key: str) -> Future:
+            return self._backend.allreduce_async(buffer, transfer_key, self._op, out=buffer)
+
+        try:
+            results = self._transfer("pushpull", keys, values, start, self._buffers.get)
+        except BaseException:
+            # Transfers after the failed one may still be writing into their
+            # buffers: the next call must not reuse those.
+            self._buffers.clear()
+            raise
+        for result, targets in zip(results, outs, strict=True):
+            write_result(result, targets)
+
+    def broadcast(self, key, value, out=None, priority: int = 0,
+                  root_rank: int = 0) -> None:
+        """Copy root_rank's `value` into `out` on every worker (into `value` if out is None).
+
+        key: int or str, or a list of them; value: per key an NDArray (or a
+        list of per-device copies, of which the first is sent). Exact for
+        float16 and float32 (it travels as float32). The Trainer calls this
+        once per parameter at its first step, from rank 0. Its buffers are
+        not kept (a broadcast is a one-off).
+        """
+        if not 0 <= root_rank < self.num_workers:
+            raise ValueError(f"root_rank {root_rank} must be in [0, {self.num_workers})")
+        keys, values, outs = self._normalize(key, value, out)
+
+        def start(buffer: np.ndarray, transfer_key: str) -> Future:
+            return self._backend.broadcast_async(buffer, transfer_key, root_rank)
+
+        def fresh(_: str, numel: int, dtype: np.dtype) -> np.ndarray:
+            return np.empty(numel, dtype=dtype)
+
+        results = self._transfer("broadcast", keys, [v[:1] for v in values], start, fresh)
+        for result, targets in zip(results, outs, strict=True):
+            write_result(result, targets)
+
+    def set_optimizer(self, optimizer) -> None:
+        raise NotImplementedError(
+            "reducer kvstore does not run optimizers: create gluon.Trainer with "
+            "update_on_kvstore=None or False so each worker updates its weights")
+
+    def save_optimizer_states(self, fname, dump_optimizer=False) -> None:
+        raise NotImplementedError(
+            "reducer kvstore holds no optimizer state: the Trainer updates locally, so "
+            "save with trainer.save_states(fname) on the workers")
+
+    def load_optimizer_states(self, fname) -> None:
+        raise NotImplementedError(
+            "reducer kvstore holds no optimizer state: load with "
+            "trainer.load_states(fname) on the workers")
+
+    def set_gradient_compression(self, compression_params) -> None:
+        raise NotImplementedError(
+            "reducer kvstore does not compress gradients; choose the wire dtype "
+            "instead (ReducerClient(wire_dtype=...) or REDUCER_WIRE_DTYPE)")
+
+    # -- internals ------------------------------------------------------------
+
+    @staticmethod
+    def _normalize(key, value, out) -> tuple[list[str], list[list], list[list]]:
+        """Per key: its name, its list of values and its list of outputs."""
+        if isinstance(key, (list, tuple)):
+            keys = list(key)
+            values = _as_list(value)
+            if len(values) != len(keys):
+                raise ValueError(f"reducer kvstore: {len(keys)} keys but "
+                                 f"{len(values)} values")
+            outs = values if out is None else _as_list(out)
+            if len(outs) != len(keys):
+                raise ValueError(f"reducer kvstore: {len(keys)} keys but {len(outs)} outs")
+        else:
+            keys, values, outs = [key], [value], [value if out is None else out]
+        for k in keys:
+            if not isinstance(k, (int, str)) or k == "":
+                raise TypeError(f"reducer kvstore: key {k!r} must be an int or a "
+                                "non-empty str")
+        return ([str(k) for k in keys], [_as_list(v) for v in values],
+                [_as_list(o) for o in outs])
+
+    def _transfer(self, kind: str, keys: list[str], values: list[list],
+                  start: Callable[[np.ndarray, str], Future],
+                  buffer_for: Callable[[str, int, np.dtype], np.ndarray],
+                  ) -> list[np.ndarray]:
+        """Pack the keys' values into buffers (per fusion_groups), send, wait;
+        return each key's result, a view of its buffer, in order."""
+        shapes = [tuple(v[0].shape) for v in values]
+        numels = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        dtypes = [np.dtype(v[0].dtype) for v in values]
+        groups = fusion_groups([(n * d.itemsize, d) for n, d in zip(numels, dtypes,
+                                                                   strict=True)],
+                               self._fusion_bytes)
+        futures = []
+        for group in groups:
+            transfer_key = wire_key(kind, [keys[i] for i in group])
+            buffer = buffer_for(transfer_key, sum(numels[i] for i in group), dtypes[group[0]])
+            offset = 0
+            for i in group:
+                copy_contribution(values[i], buffer[offset:offset + numels[i]])
+                offset += numels[i]
+            futures.append(start(buffer, transfer_key))
+        results: list[np.ndarray | None] = [None] * len(keys)
+        for group, future in zip(groups, futures, strict=True):
+            flat = self._wait(future, kind, [keys[i] for i in group]).reshape(-1)
+            offset = 0
+            for i in group:
+                results[i] = flat[offset:offset + numels[i]].reshape(shapes[i])
+                offset += numels[i]
+        return results  # type: ignore[return-value]
+
+    def _wait(self, future: Future, kind: str, keys: Sequence[str]) -> np.ndarray:
+        """The transfer's result; errors name the store's keys, not the fused wire key."""
+        where = f"reducer kvstore {kind} of key(s) {', '.join(keys)}"
+        try:
+            return future.result(self._backend.timeout + _WAIT_MARGIN_S)
+        except FutureTimeout:
+            raise ReducerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"{where}: no result within {self._backend.timeout:g} s",
+                               ) from None
+        except ReducerError as exc:
+            raise ReducerError(exc.code, f"{where}: {exc}") from exc

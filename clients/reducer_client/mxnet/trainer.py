@@ -1,0 +1,46 @@
+"""DistributedTrainer: a gluon.Trainer that averages all gradients of a step in one call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mxnet import gluon
+
+from reducer_client.mxnet.kvstore import Reducer
+
+__all__ = ["DistributedTrainer"]
+
+
+class DistributedTrainer(gluon.Trainer):
+    """gluon.Trainer that reduces all gradients of a step in one store call.
+
+    Same arguments as gluon.Trainer; `kvstore` defaults to a new "reducer"
+    store that averages over the workers (op="mean", as Horovod's
+    DistributedTrainer), so `trainer.step(b)` with b = this worker's batch
+    size gives the update of one process on the global batch. A store
+    passed in keeps its own op. The plain Trainer calls pushpull once per
+    parameter (one round trip each); this one passes every dense gradient
+    at once, so small ones are packed together and all travel concurrently.
+    """
+
+    def __init__(self, params, optimizer, optimizer_params=None, kvstore=None,
+                 **kwargs: Any) -> None:
+        super().__init__(params, optimizer, optimizer_params,
+                         kvstore=kvstore if kvstore is not None else Reducer(op="mean"),
+                         **kwargs)
+
+    def _allreduce_grads(self) -> None:
+        if not self._kvstore:
+            return
+        keys, grads = [], []
+        for index, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grad_list = param.list_grad()
+            if grad_list[0].stype != "default":
+                raise TypeError(f"parameter {param.name}: sparse gradients are not "
+                                "supported by the reducer kvstore")
+            keys.append(index)
+            grads.append(grad_list)
+        if keys:
+            self._kvstore.pushpull(keys, grads)

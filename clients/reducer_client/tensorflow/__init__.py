@@ -1,0 +1,55 @@
+"""reducer_client.tensorflow: the TensorFlow / Keras 3 shim (Horovod-shaped).
+
+    import reducer_client.tensorflow as rtf
+    rtf.init()                                          # ReducerClient.from_env()
+    opt = rtf.DistributedOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss=..., jit_compile=False)
+    model.fit(x, y, callbacks=[rtf.BroadcastGlobalVariablesCallback(root_rank=0)])
+
+    tape = rtf.DistributedGradientTape(tape)            # custom training loops
+    t = rtf.allreduce(tensor, name="x", op="mean")
+    rtf.rank(), rtf.size(), rtf.local_rank(), rtf.local_size(), rtf.shutdown()
+
+The shim only converts tensors to and from NumPy and plugs into Keras and
+tf.GradientTape; chunking, streams and retries stay in the core. Its parts:
+_basics (init, rank, ... bound from reducer_client.process), _bridge (the
+reduction op, one fused call per step), functions (allreduce, exact
+broadcasts), optimizer, gradient_tape, callbacks. What a step sends:
+- All gradients of a step travel as one flat float32 buffer, one call
+  (_bridge).
+- Sparse gradients (tf.IndexedSlices, from Embedding layers) are summed into
+  dense form first (duplicate indices add up, as the gradient says). The core
+  has no allgather, and an allreduce-based gather would send indices through
+  the float16 wire, so dense is the exact way here; it costs the full table.
+- In a tf.function the reduction is a stateful tf.numpy_function op. XLA cannot
+  compile Python ops, so under jit_compile=True the shim fails at trace time
+  with a message that says to compile with jit_compile=False.
+- Errors: eagerly a failed reduction raises reducer_client.ReducerError.
+  Inside a graph (model.fit, tf.function) TensorFlow wraps exceptions of
+  Python ops, so it arrives as tf.errors.UnknownError whose message ends with
+  "ReducerError: <the core's message>" (TensorFlow keeps no other code).
+  Either way it comes within the client's timeout, never as a hang.
+"""
+
+from reducer_client.errors import ReducerError
+from reducer_client.tensorflow import callbacks
+from reducer_client.tensorflow._basics import basics as _basics
+from reducer_client.tensorflow.callbacks import BroadcastGlobalVariablesCallback
+from reducer_client.tensorflow.functions import allreduce, broadcast, broadcast_variables
+from reducer_client.tensorflow.gradient_tape import DistributedGradientTape
+from reducer_client.tensorflow.optimizer import DistributedOptimizer, load_model
+
+# Bound once in reducer_client.process, as Horovod binds its basics.
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+client = _basics.client
+rank = _basics.rank
+size = _basics.size
+local_rank = _basics.local_rank
+local_size = _basics.local_size
+
+__all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "local_rank",
+           "local_size", "allreduce", "broadcast", "broadcast_variables",
+           "DistributedOptimizer", "DistributedGradientTape",
+           "BroadcastGlobalVariablesCallback", "load_model", "callbacks", "ReducerError"]

@@ -1,0 +1,122 @@
+"""The one bridge between TensorFlow and the core: flat float32 tensors to NumPy and back.
+
+All gradients of a step are cast to float32 and concatenated into one flat
+buffer, reduced with one call (the core cuts it into chunks over all
+daemons), then split, reshaped and cast back. One call per step also means
+one blocking op per step in a graph, so no two workers can wait on each
+other's keys in a different order.
+
+Buffers: the core reduces into a new NumPy array per call, which TensorFlow
+takes over as the op's output without a copy. A reused buffer would not
+save anything here: tf.numpy_function keeps the returned array's memory as
+the output tensor (measured, eager and in graphs), so handing back one
+buffer every step would overwrite tensors still alive, and its input array
+may be the memory of the caller's own tensor, so reducing into the input
+could change a tensor the user holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import tensorflow as tf
+
+from reducer_client.api import Reducer
+from reducer_client.tensorflow._basics import basics
+
+__all__ = ["reduce_flat", "densify", "fused_allreduce", "reduce_gradients"]
+
+
+def _in_xla_context() -> bool:
+    try:  # private, but the only way to see jit_compile while tracing
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a future TF moved it
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _run_reduction(array: np.ndarray, key: str, op: str, root_rank: int | None,
+                   reducer: Reducer | None) -> np.ndarray:
+    """The body of the reduction op: NumPy in, NumPy out, through the core.
+
+    A module-level function (bound with functools.partial), so that autograph
+    never rewrites it when the caller is being traced.
+    """
+    target = basics.resolve(reducer)
+    if root_rank is None:
+        return np.asarray(target.allreduce(array, key, op), dtype=np.float32)
+    return np.asarray(target.broadcast(array, key, root_rank), dtype=np.float32)
+
+
+def reduce_flat(flat: tf.Tensor, key: str, op: str, root_rank: int | None,
+                reducer: Reducer | None) -> tf.Tensor:
+    """Allreduce (root_rank None) or broadcast a 1-D float32 tensor, eagerly or as an op.
+
+    The reducer is looked up when the op runs, not when it is traced, so a
+    traced step keeps working after init() replaces the client.
+    """
+    run = functools.partial(_run_reduction, key=key, op=op, root_rank=root_rank,
+                            reducer=reducer)
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(run(flat.numpy()))
+    if _in_xla_context():
+        raise ValueError(
+            f"reducer_client.tensorflow: reduction {key!r} runs as a Python op "
+            "(tf.numpy_function) that XLA cannot compile. Compile the step without "
+            "XLA: model.compile(..., jit_compile=False), or tf.function(jit_compile="
+            "False) around a custom training step. (Keras turns jit_compile on by "
+            "default when a GPU is visible.)")
+    out = tf.numpy_function(run, [flat], tf.float32, stateful=True,
+                            name="ReducerAllreduce" if root_rank is None
+                            else "ReducerBroadcast")
+    out.set_shape(flat.shape)
+    return out
+
+
+def densify(grad: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
+    """IndexedSlices to a dense tensor; rows of repeated indices add up."""
+    if isinstance(grad, tf.IndexedSlices):
+        if grad.dense_shape is None:
+            raise ValueError("an IndexedSlices gradient without dense_shape cannot be "
+                             "reduced; its variable's shape is unknown")
+        dense = tf.math.unsorted_segment_sum(grad.values, grad.indices, grad.dense_shape[0])
+        return tf.reshape(dense, grad.dense_shape)
+    return tf.convert_to_tensor(grad)
+
+
+def fused_allreduce(tensors: list, key: str, op: str, reducer: Reducer | None) -> list:
+    """Reduce a list of float tensors (dense or IndexedSlices) with one call.
+
+    Everything travels as one float32 buffer: the daemons accumulate in
+    float32 anyway, and float64 gradients lose nothing the float16 or float32
+    wire keeps. Each result is cast back to its tensor's dtype.
+    """
+    dense = [densify(t) for t in tensors]
+    for t in dense:
+        if not t.dtype.is_floating:
+            raise TypeError(f"{key!r}: cannot allreduce a {t.dtype.name} tensor; the wire "
+                            "carries floating point only")
+    if len(dense) == 1:
+        flat = tf.reshape(tf.cast(dense[0], tf.float32), [-1])
+    else:
+        flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in dense], axis=0)
+    out = reduce_flat(flat, key, op, None, reducer)
+    parts = tf.split(out, tf.stack([tf.size(t) for t in dense]), num=len(dense))
+    results = []
+    for part, t in zip(parts, dense, strict=True):
+        result = tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
+        result.set_shape(t.shape)
+        results.append(result)
+    return results
+
+
+def reduce_gradients(grads, key: str, op: str, reducer: Reducer | None) -> list:
+    """Reduce the non-None gradients of a step in one call; None stays None."""
+    grads = list(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if present:
+        reduced = fused_allreduce([grads[i] for i in present], key, op, reducer)
+        for i, g in zip(present, reduced, strict=True):
+            grads[i] = g
+    return grads
