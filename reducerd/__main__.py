@@ -6,22 +6,32 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import NoReturn
 
 from reducerd import __version__
 from reducerd.config import ConfigError, add_arguments, config_from_args
+from reducerd.logs import log_error, setup_logging
 
 __all__ = ["main"]
 
-USAGE = """reducerd --listen HOST:PORT [options]      run the daemon
+USAGE = """reducerd [--listen HOST:PORT] [options]    run the daemon (default 127.0.0.1:7070)
        reducerd --config FILE.toml --print-config  show the effective configuration
        reducerd status --address HOST:PORT        jobs, open rounds, throughput
        reducerd top --address HOST:PORT           the same, refreshed live"""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """argparse's exit 2 on a bad flag, its message at error level in the journal."""
+        self.print_usage(sys.stderr)
+        log_error(f"{self.prog}: error: {message}")
+        sys.exit(2)
+
+
 def _daemon_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reducerd", usage=USAGE,
-                                     description="Sum gradient shards from data-parallel "
-                                                 "workers (reducer.v1.Reducer over gRPC).")
+    parser = _Parser(prog="reducerd", usage=USAGE,
+                     description="Sum gradient shards from data-parallel "
+                                 "workers (reducer.v1.Reducer over gRPC).")
     add_arguments(parser)
     parser.add_argument("--version", action="version", version=f"reducerd {__version__}")
     return parser
@@ -32,15 +42,13 @@ def _run_daemon(argv: list[str]) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as exc:
-        print(f"reducerd: {exc}", file=sys.stderr)
+        log_error(f"reducerd: {exc}")  # at error level in the journal
         return 2
     if args.print_config:
         sys.stdout.write(config.to_toml())
         return 0
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     from reducerd.memory import tune_malloc
-    from reducerd.notify import Notifier
     from reducerd.server import Daemon  # grpc import only when serving
 
     tune_malloc()
@@ -49,8 +57,8 @@ def _run_daemon(argv: list[str]) -> int:
         "reducerd %s starting (round timeout %g s, max inflight %d bytes)", __version__,
         config.round_timeout_s, config.max_inflight_bytes)
     try:
-        # The service manager's protocol lives in the environment; read it here, once.
-        asyncio.run(Daemon(config, notifier=Notifier.from_environ()).serve())
+        # The service manager's socket and watchdog come from the Config (it read them).
+        asyncio.run(Daemon(config).serve())
     except RuntimeError as exc:  # e.g. the port is taken
         logging.getLogger("reducerd").error("cannot serve: %s", exc)
         return 1
