@@ -37,6 +37,7 @@ import torch
 from reducer_client.api import Reducer
 from reducer_client.torch._basics import next_index, resolve
 from reducer_client.torch._tensors import Staging, flat_dtype, staging_for
+from reducer_client.torch.overlap import ForwardOverlap
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES"]
 
@@ -152,21 +153,29 @@ class _GradientReducer:
 
     def synchronize(self) -> None:
         """Start the buckets still open, wait for all, set the averaged gradients."""
+        try:
+            self.launch_missing()
+            for bucket in self.buckets:
+                self.finish(bucket)
+        finally:
+            self.reset()
+
+    def launch_missing(self) -> None:
+        """Start the buckets whose gradients are not all final yet (sent as they are)."""
         with self._lock:
             missing = [b for b in self.buckets if not b.launched]
             for bucket in missing:
                 bucket.launched = True
-        try:
-            for bucket in missing:
-                self._launch(bucket)
-            with torch.no_grad():
-                for bucket in self.buckets:
-                    assert bucket.future is not None and bucket.flat is not None
-                    result = bucket.future.result()  # the core's timeout bounds the wait
-                    self.staging.finish(result, bucket.flat, bucket.key)
-                    bucket.write_back(result)
-        finally:
-            self.reset()
+        for bucket in missing:
+            self._launch(bucket)
+
+    def finish(self, bucket: _Bucket) -> None:
+        """Wait for one launched bucket and set its parameters' averaged gradients."""
+        assert bucket.future is not None and bucket.flat is not None
+        with torch.no_grad():
+            result = bucket.future.result()  # the core's timeout bounds the wait
+            self.staging.finish(result, bucket.flat, bucket.key)
+            bucket.write_back(result)
 
     def reset(self) -> None:
         """Forget this step's progress (after synchronize, or zero_grad)."""
@@ -207,9 +216,11 @@ class _DistributedOptimizer:
     _gradients: _GradientReducer
     _synchronized: bool  # synchronize() was called since the last step()
     _skip_sync: bool  # inside skip_synchronize()
+    _overlap: ForwardOverlap | None  # overlap_forward's hooks (overlap.py)
 
     def synchronize(self) -> None:
         """Wait for the averaged gradients now (to clip them, say) instead of in step()."""
+        self.finish_step()
         self._gradients.synchronize()
         self._synchronized = True
 
@@ -233,11 +244,19 @@ class _DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._overlap is not None and not (self._synchronized or self._skip_sync):
+            self._overlap.step(super().step)  # type: ignore[misc]
+            return loss  # the updates apply in the next forward
         if not (self._synchronized or self._skip_sync):
             self._gradients.synchronize()
         self._synchronized = False
         super().step()  # type: ignore[misc]
         return loss
+
+    def finish_step(self) -> None:
+        """Apply the updates overlap_forward leaves to the next forward now (else a no-op)."""
+        if self._overlap is not None:
+            self._overlap.finish()
 
     # Optimizer.load_state_dict re-patches `type(self).step` for profiling
     # unless it is marked hooked; the wrapped class's step, which ours calls,
@@ -245,11 +264,13 @@ class _DistributedOptimizer:
     step.hooked = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._gradients.in_flight():
-            raise RuntimeError("zero_grad() was called after backward() started reducing "
-                               "gradients but before step() or synchronize(): call step() "
-                               "first, or zero_grad() before backward()")
-        self._gradients.reset()
+        # Buckets that overlap_forward left pending reset themselves once applied.
+        if self._overlap is None or not self._overlap.pending:
+            if self._gradients.in_flight():
+                raise RuntimeError("zero_grad() was called after backward() started reducing "
+                                   "gradients but before step() or synchronize(): call step() "
+                                   "first, or zero_grad() before backward()")
+            self._gradients.reset()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
@@ -264,7 +285,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          op: str = "mean", backward_passes_per_step: int = 1,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, name: str | None = None,
-                         *, reducer: Reducer | None = None) -> torch.optim.Optimizer:
+                         *, reducer: Reducer | None = None,
+                         overlap_forward: torch.nn.Module | None = None,
+                         ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over all workers.
 
     Returns an instance of a subclass of the optimizer's own class that
@@ -282,6 +305,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     keys of this optimizer's buckets (default "optimizer.N", N counting the
     DistributedOptimizers created with this reducer); it must be the same on
     every rank. `reducer` defaults to the process-wide client of init().
+
+    overlap_forward=model: step() only starts the buckets still open and
+    returns; each module's next forward first waits for the buckets holding
+    its parameters and applies their update, so it starts while later
+    buckets are still on the wire (crossing the barrier, overlap.py says
+    what changes for the caller). Only for optimizers that update each
+    parameter from its own gradient and state (SGD, Adam, ...).
     """
     if op not in ("mean", "sum"):
         raise ValueError(f"op {op!r}: one of mean, sum")
@@ -303,6 +333,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         reducer, named, op, backward_passes_per_step, bucket_bytes,
         name if name is not None else f"optimizer.{next_index(reducer, 'optimizer')}")
     distributed._synchronized = distributed._skip_sync = False
+    distributed._overlap = (None if overlap_forward is None else
+                            ForwardOverlap(distributed, distributed._gradients, overlap_forward))
     return distributed
 
 
