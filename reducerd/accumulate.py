@@ -13,7 +13,23 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.convert import from_wire
 from reducer_wire.dtypes import wire_numpy_dtype
 
-__all__ = ["copy_wire_into", "add_wire_into"]
+__all__ = ["copy_wire_into", "add_wire_into", "WideningBuffer"]
+
+
+class WideningBuffer:
+    """One reusable float32 buffer for NumPy's widening of float16 and bfloat16
+    contributions (the C kernels widen as they add and need none)."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.float32)
+
+    def for_part(self, dtype: int, numel: int) -> np.ndarray | None:
+        """A buffer of at least `numel` float32 elements, or None for float32 data."""
+        if dtype == pb.DTYPE_FLOAT32:
+            return None
+        if self._buffer.size < numel:
+            self._buffer = np.empty(numel, dtype=np.float32)
+        return self._buffer
 
 
 def copy_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int) -> None:

@@ -16,10 +16,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port"]
+__all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
+           "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB"]
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+# Defaults that other modules use too; this is their one home.
+DEFAULT_LISTEN = "127.0.0.1:7070"  # loopback only: `reducerd` alone runs and exposes nothing
+STALLED_AFTER_S = 5.0
+MAX_OPEN_CHUNKS_PER_JOB = 65536
 
 
 class ConfigError(ValueError):
@@ -28,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    listen: str = ""
+    listen: str = DEFAULT_LISTEN
     metrics_listen: str | None = None
     auth_token_file: str | None = None
     tls_cert: str | None = None
@@ -48,9 +54,9 @@ class Config:
     # Jobs with their own metrics label; later jobs are counted as reducer_job="other".
     metrics_max_jobs: int = 20
     # GetStatus lists open chunks older than this as stalled.
-    stalled_after_s: float = 5.0
+    stalled_after_s: float = STALLED_AFTER_S
     # Open chunks one job may hold at once (beyond: RESOURCE_EXHAUSTED).
-    max_open_chunks_per_job: int = 65536
+    max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB
     # A stream with nothing open and no message for this long is ended (OK);
     # clients open a new one when they next send.
     stream_idle_timeout_s: float = 600.0
@@ -62,6 +68,10 @@ class Config:
     wire_numpy: bool = False
     # Not an option: $CREDENTIALS_DIRECTORY, set by systemd when the unit loads credentials.
     credentials_directory: str | None = None
+    # Not options: systemd's notify socket ($NOTIFY_SOCKET) and watchdog period
+    # ($WATCHDOG_USEC, unless $WATCHDOG_PID names another process), for Type=notify units.
+    notify_socket: str | None = None
+    watchdog_s: float | None = None
 
     @property
     def listen_address(self) -> str:
@@ -227,7 +237,7 @@ _FLAGS = {
     "--data-listen": "data_listen",
 }
 _HELP = {
-    "listen": "gRPC address to serve (required)",
+    "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
     "metrics_listen": "serve Prometheus metrics over HTTP here (port 0: any free one)",
     "auth_token_file": "file holding the bearer token every call must carry",
     "tls_cert": "server certificate (PEM), with --tls-key",
@@ -295,16 +305,28 @@ def config_from_args(args: argparse.Namespace,
                      environ: Mapping[str, str] | None = None) -> Config:
     """Build and validate the Config from parsed arguments (and their --config).
 
-    The environment is read here and nowhere else: only $CREDENTIALS_DIRECTORY,
-    which systemd sets for units with LoadCredential=, and REDUCER_WIRE_NUMPY.
+    The daemon's environment is read here and nowhere else: $CREDENTIALS_DIRECTORY
+    (systemd's LoadCredential=), $NOTIFY_SOCKET and $WATCHDOG_USEC / $WATCHDOG_PID
+    (systemd's Type=notify and WatchdogSec=), and REDUCER_WIRE_NUMPY.
     """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = (_from_toml(args.config) if getattr(args, "config", None)
                               else {})
     values["credentials_directory"] = environ.get("CREDENTIALS_DIRECTORY") or None
     values["wire_numpy"] = environ.get("REDUCER_WIRE_NUMPY", "") not in ("", "0")
+    values["notify_socket"] = environ.get("NOTIFY_SOCKET") or None
+    values["watchdog_s"] = _watchdog_s(environ)
     for name in _FLAGS.values():
         flag_value = getattr(args, name, None)
         if flag_value is not None:
             values[name] = flag_value
     return dataclasses.replace(Config(), **values).validate()
+
+
+def _watchdog_s(environ: Mapping[str, str]) -> float | None:
+    """systemd's watchdog period, if it is meant for this process."""
+    usec = environ.get("WATCHDOG_USEC", "")
+    pid = environ.get("WATCHDOG_PID", "")
+    if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
+        return int(usec) / 1e6
+    return None

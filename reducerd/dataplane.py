@@ -1,13 +1,14 @@
 """The daemon's TCP data plane (protocol: reducer_wire.framing).
 
-Each connection is a Stream of the ReducerService, like a Reduce call: the
-shards go through the same checks and table, replies and in-band errors are
-the same messages. Only the I/O differs: a reader thread per connection
-receives each frame straight into a fresh buffer (recv_into, no copy) and
-hands the shard to the event loop thread, which alone touches the table; a
-writer thread per connection sends what the loop puts into the stream's
-outbox. Socket calls release the GIL, so receiving and sending run beside the
-sums, and no per-byte work happens in Python.
+Each connection is a Stream of the Session, like a Reduce call: the shards
+go through the same checks and table, replies and in-band errors are the same
+messages. Only the I/O differs: a reader thread per connection receives each
+frame straight into a fresh buffer (recv_into, no copy) and hands the shard
+to the event loop thread, which alone touches the table; a writer thread per
+connection sends what the loop puts into the stream's outbox: each reply's
+frame, one buffer that the result was narrowed into (reducerd.replies), in
+one send. Socket calls release the GIL, so receiving and sending run beside
+the sums, and no per-byte work happens in Python.
 
 Bounds, so that no client can hold the daemon's memory or threads for ever:
 - a reader has at most _QUEUED_FRAMES shards waiting for the loop, and pauses
@@ -40,13 +41,13 @@ from reducer_wire.framing import (
     FrameError,
     read_frame,
     recv_exactly,
-    send_frame,
     shutdown_quietly,
     status_frame,
     tune_socket,
 )
 
-from reducerd.service import END, ReducerService, Stream, decode_request
+from reducerd.replies import Reply
+from reducerd.session import END, DecodeFault, Session, Stream, daemon_fault_message, decode_request
 
 __all__ = ["DataPlane"]
 
@@ -93,23 +94,21 @@ class _Connection:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.outbox = _Outbox()
-        self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox)
+        self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox,
+                             frames=True)
         self.credit = threading.Semaphore(_QUEUED_FRAMES)
         self.reader_done = threading.Event()
         self.writer_done = threading.Event()
-        self.registered = False  # a Stream of the service, with a writer thread
-        # Set on the loop thread once the stream is ending with an error:
-        # shards still queued for the loop are dropped.
-        self.refused = False
+        self.registered = False  # a Stream of the session, with a writer thread
 
 
 class DataPlane:
-    """Serves the data plane for `service` on its own threads."""
+    """Serves the data plane for `session` on its own threads."""
 
-    def __init__(self, service: ReducerService, loop: asyncio.AbstractEventLoop,
+    def __init__(self, session: Session, loop: asyncio.AbstractEventLoop,
                  token: str | None, max_message_bytes: int,
                  send_timeout_s: float = 60.0) -> None:
-        self.service = service
+        self.session = session
         self.loop = loop
         self._token = token.encode() if token else None
         self.max_message_bytes = max_message_bytes
@@ -138,13 +137,14 @@ class DataPlane:
         return int(listener.getsockname()[1])
 
     def stop(self, message: str = "reducerd is shutting down") -> None:
-        """Stop accepting; end every connection, registered ones with UNAVAILABLE."""
+        """Stop accepting; end every connection, registered ones with UNAVAILABLE
+        (loop thread)."""
         with self._lock:
             self._stopped = True
             connections = list(self._connections)
         for conn in connections:
             if conn.registered:
-                conn.outbox.put_nowait((grpc.StatusCode.UNAVAILABLE, message))
+                conn.stream.end(grpc.StatusCode.UNAVAILABLE, message)
             else:  # still in its handshake: wake its reader
                 shutdown_quietly(conn.sock, socket.SHUT_RDWR)
 
@@ -208,7 +208,7 @@ class DataPlane:
                 self._refuse(conn.sock, *refusal)
                 return
             conn.sock.settimeout(None)  # reads wait for the client; sends have SO_SNDTIMEO
-            self._call(self.service.streams.add, conn.stream)
+            self._call(self.session.open_stream, conn.stream)
             threading.Thread(target=self._write, args=(conn,), daemon=True,
                              name=f"reducerd-data-write-{conn.stream.peer}").start()
             self._read_shards(conn)
@@ -219,11 +219,11 @@ class DataPlane:
             else:
                 self._forget(conn)
                 conn.sock.close()
-        except Exception as exc:  # e.g. MemoryError: end the stream and say why
+        except Exception as exc:  # e.g. MemoryError: our fault; end the stream and say so
             log.exception("data connection %s: reader failed", conn.stream.peer)
             if conn.registered:
-                self._call(self._end, conn, grpc.StatusCode.INTERNAL,
-                           f"reducerd could not read the stream: {exc!r}")
+                self._call(conn.stream.end, grpc.StatusCode.INTERNAL,
+                           daemon_fault_message(exc))
                 _drop_input(conn.sock)
             else:
                 self._forget(conn)
@@ -250,7 +250,7 @@ class DataPlane:
         if self._token is not None and not hmac.compare_digest(bytes(frame[1]), self._token):
             return (grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong token in the data-plane HELLO")
-        if self.service.draining:
+        if self.session.draining:
             return grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down"
         return None
 
@@ -261,18 +261,18 @@ class DataPlane:
                 frame = read_frame(conn.sock, self.max_message_bytes)
             except FrameError as exc:
                 # The byte stream cannot be followed any further: end with why.
-                self._call(self._end, conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self._call(conn.stream.end, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 _drop_input(conn.sock)
                 return
             if frame is None:  # the client half-closed: answer what is open, then OK
                 self._call(conn.stream.half_close)
                 return
             kind, payload = frame
-            if ending or conn.refused or conn.writer_done.is_set():
+            if ending or conn.stream.ended or conn.writer_done.is_set():
                 continue  # read and drop, so the client sees our status, not a reset
             if kind != SHARD:
                 ending = True
-                self._call(self._end, conn, grpc.StatusCode.INVALID_ARGUMENT,
+                self._call(conn.stream.end, grpc.StatusCode.INVALID_ARGUMENT,
                            f"unexpected frame kind {kind} after HELLO")
                 continue
             shard = decode_request(payload)
@@ -304,21 +304,15 @@ class DataPlane:
         except RuntimeError:  # the loop is closed: the daemon is gone
             pass
 
-    def _accept(self, conn: _Connection, shard: ShardView | DecodeError) -> None:
+    def _accept(self, conn: _Connection, shard: ShardView | DecodeError | DecodeFault,
+                ) -> None:
         try:
-            if not conn.refused and not self.service.accept(shard, conn.stream):
-                conn.refused = True
-        except Exception as exc:  # a bug must end this stream, not hang its client
+            self.session.accept(shard, conn.stream)  # it answers its own faults
+        except Exception as exc:  # still a bug must end this stream, not hang its client
             log.exception("data connection %s: shard not taken", conn.stream.peer)
-            self._end(conn, grpc.StatusCode.INTERNAL, f"reducerd failed on a shard: {exc!r}")
+            conn.stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
         finally:
             conn.credit.release()
-
-    @staticmethod
-    def _end(conn: _Connection, code: grpc.StatusCode, message: str) -> None:
-        if not conn.refused:
-            conn.refused = True
-            conn.outbox.put_nowait((code, message))
 
     # -- the writer thread ---------------------------------------------------
 
@@ -334,7 +328,8 @@ class DataPlane:
                 if isinstance(item, tuple):
                     conn.sock.sendall(status_frame(*item))
                     break
-                send_frame(conn.sock, SHARD, item)
+                reply: Reply = item
+                conn.sock.sendall(reply.frame)  # frame header and message: one buffer
         except OSError as exc:  # broken, or no progress for send_timeout_s
             log.debug("data connection %s broke while sending: %r", conn.stream.peer, exc)
         finally:
@@ -347,7 +342,7 @@ class DataPlane:
                 conn.reader_done.wait(_LINGER_S)
             conn.sock.close()
             self._forget(conn)
-            self._call(self.service.close_stream, conn.stream)
+            self._call(self.session.close_stream, conn.stream)
 
 
 def _drop_input(sock: socket.socket, timeout_s: float | None = None) -> None:

@@ -1,7 +1,7 @@
 """Prometheus metrics for one daemon, served over HTTP on --metrics-listen.
 
 Two sources, one snapshot per scrape:
-- hooks that the servicer calls on the event loop thread: `shard_in` for every
+- hooks that the session calls on the event loop thread: `shard_in` for every
   valid shard (bytes in by dtype), `delivered` for every completed or failed
   chunk (bytes out by dtype, failures by reason, round latency);
 - the ReductionTable's own counters (chunks completed, open chunks, bytes
@@ -41,10 +41,11 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.utils import floatToGoString
+from reducer_wire.dtypes import DTYPE_NAMES
 
 from reducerd import __version__
-from reducerd.config import parse_host_port
-from reducerd.reduction import DTYPE_NAMES, Delivery, ReductionTable
+from reducerd.config import STALLED_AFTER_S, parse_host_port
+from reducerd.reduction import Delivery, ReductionTable
 
 __all__ = ["Metrics", "JobLabels", "BootTimeProcessCollector", "OTHER_JOB", "LATENCY_BUCKETS_S"]
 
@@ -57,7 +58,7 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 SNAPSHOT_TIMEOUT_S = 5.0
 
 
-class _Service(Protocol):
+class _Session(Protocol):
     streams: Any
     draining: bool
 
@@ -129,12 +130,12 @@ class _Snapshot:
 
 
 class Metrics:
-    """The daemon's metrics: hooks for the servicer, a Collector, an HTTP endpoint."""
+    """The daemon's metrics: hooks for the session, a Collector, an HTTP endpoint."""
 
-    def __init__(self, table: ReductionTable, service: _Service | None = None,
-                 max_jobs: int = 20, stalled_after_s: float = 5.0) -> None:
+    def __init__(self, table: ReductionTable, session: _Session | None = None,
+                 max_jobs: int = 20, stalled_after_s: float = STALLED_AFTER_S) -> None:
         self.table = table
-        self.service = service
+        self.session = session
         self.stalled_after_s = stalled_after_s
         self.job_label = JobLabels(max_jobs)
         # Hook state: event loop thread only (see the module docstring).
@@ -156,7 +157,7 @@ class Metrics:
         self._bytes_in[self.job_label(job), DTYPE_NAMES.get(dtype, "unknown")] += nbytes
 
     def delivered(self, d: Delivery) -> None:
-        """Count one completed or failed chunk as the servicer delivers it.
+        """Count one completed or failed chunk as the session delivers it.
 
         A repeat (a resent contribution answered from the cache, or with the
         failure already reported) counts its bytes, not a second chunk.
@@ -187,8 +188,8 @@ class Metrics:
             completed=dict(completed), open_chunks=dict(open_chunks),
             jobs=len(self.table.jobs), stalled=stalled, bytes_held=self.table.bytes_held,
             max_inflight_bytes=self.table.max_inflight_bytes,
-            open_streams=len(self.service.streams) if self.service else 0,
-            draining=bool(self.service and self.service.draining))
+            open_streams=len(self.session.streams) if self.session else 0,
+            draining=bool(self.session and self.session.draining))
 
     # -- Collector (scrape thread) -------------------------------------------
 

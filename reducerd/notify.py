@@ -6,7 +6,8 @@ serves, STOPPING=1 when it starts to drain, WATCHDOG=1 at least every half of
 $WATCHDOG_USEC when the unit has WatchdogSec=. A socket path starting with '@'
 is in the abstract namespace (the '@' stands for a leading NUL byte).
 
-Without $NOTIFY_SOCKET every call does nothing, so the daemon runs the same
+The daemon's Config reads those variables (reducerd.config, the one reader
+of the environment). Without $NOTIFY_SOCKET every call does nothing, so the daemon runs the same
 outside systemd. A failed send is logged, never raised: the service manager's
 socket going away must not take the daemon down.
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reducerd.config import Config
 
 __all__ = ["Notifier"]
 
@@ -32,15 +35,9 @@ class Notifier:
         self.watchdog_s = watchdog_s if watchdog_s and watchdog_s > 0 else None
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Notifier:
-        """Read $NOTIFY_SOCKET and $WATCHDOG_USEC (ignored if $WATCHDOG_PID is another pid)."""
-        environ = os.environ if environ is None else environ
-        watchdog_s = None
-        usec = environ.get("WATCHDOG_USEC", "")
-        pid = environ.get("WATCHDOG_PID", "")
-        if usec.isdigit() and (not pid or pid == str(os.getpid())):
-            watchdog_s = int(usec) / 1e6
-        return cls(environ.get("NOTIFY_SOCKET"), watchdog_s)
+    def from_config(cls, config: Config) -> Notifier:
+        """The notifier of the socket and watchdog period the Config read from systemd."""
+        return cls(config.notify_socket, config.watchdog_s)
 
     @property
     def enabled(self) -> bool:

@@ -1,6 +1,6 @@
 """The reduction table: open chunks, float32 accumulation, failures.
 
-Pure Python and NumPy, no gRPC: the servicer validates and routes shards here
+Pure Python and NumPy, no gRPC: the session checks and routes shards here
 and delivers what this module returns. Every method runs on the daemon's event
 loop thread, so the table needs no lock.
 
@@ -18,23 +18,20 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from reducer_wire import convert, dtypes
+from reducer_wire import dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.dtypes import DTYPE_NAMES, OP_NAMES
 
 from reducerd import accumulate
+from reducerd.config import MAX_OPEN_CHUNKS_PER_JOB
+from reducerd.replies import Reply, result_reply
 
-__all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
-           "DTYPE_NAMES", "OP_NAMES"]
-
-DTYPE_NAMES: dict[int, str] = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16",
-               pb.DTYPE_FLOAT32: "float32"}
-OP_NAMES: dict[int, str] = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
-            pb.REDUCE_OP_MEAN: "mean"}
+__all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
 
 # A job with nothing open for this long is forgotten (its stats too).
 JOB_FORGET_AFTER_S = 3600.0
 
-# Status code names (the servicer maps them to grpc.StatusCode).
+# Status code names (the session maps them to grpc.StatusCode).
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
@@ -70,20 +67,25 @@ class Contribution:
 
 @dataclass(frozen=True)
 class Delivery:
-    """What to send to `sinks`: the result `data`, or an error code and message."""
+    """What to send to `sinks`: the result's `reply`, or an error code and message."""
 
     chunk: ChunkId
     dtype: int
     op: int
     world_size: int
     sinks: tuple[Hashable, ...]
-    data: bytes | memoryview = b""  # the result in the wire dtype (a view of it)
+    reply: Reply | None = None  # the result's reply message, the same for every sink
     error_code: str = ""
     error_message: str = ""
     # Seconds from the chunk's first contribution to this delivery (0 if it never opened).
     latency_s: float = 0.0
     # A result sent again from the cache to a resent contribution (not a new completion).
     repeat: bool = False
+
+    @property
+    def data(self) -> memoryview:
+        """The result in the wire dtype (a view into the reply), empty for a failure."""
+        return self.reply.payload if self.reply is not None else memoryview(b"")
 
 
 @dataclass
@@ -121,7 +123,7 @@ class _Result:
     op: int
     world_size: int
     numel: int
-    data: bytes | memoryview
+    reply: Reply
     expires_s: float
 
 
@@ -143,12 +145,13 @@ class ReductionTable:
     A completed chunk's result is kept until the next round of that chunk
     completes (or one round timeout passes, or the cache needs room), so a
     contribution resent after a broken stream gets the result again instead of
-    opening the round anew. The cache holds at most `max_inflight_bytes // 2`.
+    opening the round anew. The cache holds at most `max_inflight_bytes // 2`
+    (of reply messages: the very bytes sent the first time).
     """
 
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
                  clock: Callable[[], float] = time.monotonic,
-                 max_open_chunks_per_job: int = 65536) -> None:
+                 max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
         self.max_open_chunks_per_job = max_open_chunks_per_job
@@ -162,7 +165,7 @@ class ReductionTable:
         self._latest_round: dict[tuple[str, str, int], int] = {}
         self.cached_bytes = 0
         self.max_cached_bytes = max_inflight_bytes // 2
-        self._scratch = np.empty(0, dtype=np.float32)  # float16/bfloat16 widening buffer
+        self._scratch = accumulate.WideningBuffer()
         self.accepting_new_chunks = True
 
     # -- queries -------------------------------------------------------------
@@ -217,7 +220,8 @@ class ReductionTable:
         open_chunk.sinks.append(sink)
         if part.rank in open_chunk.ranks:
             return []  # a retry: already counted, this stream just waits too
-        accumulate.add_wire_into(open_chunk.acc, part.data, part.dtype, self._scratch_for(part))
+        accumulate.add_wire_into(open_chunk.acc, part.data, part.dtype,
+                                 self._scratch.for_part(part.dtype, part.numel))
         open_chunk.ranks.add(part.rank)
         if len(open_chunk.ranks) < open_chunk.world_size:
             return []
@@ -290,14 +294,16 @@ class ReductionTable:
         if chunk.op == pb.REDUCE_OP_MEAN:
             # Divide the float32 sum once, before the single rounding to the wire dtype.
             np.divide(acc, np.float32(chunk.world_size), out=acc)
-        # A byte view of the new wire array: no second copy of the result.
-        data = convert.to_wire(acc, chunk.dtype).data.cast("B")
+        # Rounded once, straight into the reply message every sink gets.
+        reply = result_reply(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
+                             dtype=chunk.dtype, op=chunk.op, world_size=chunk.world_size,
+                             acc=acc)
         self._release(cid, chunk, job)
-        self._cache_result(cid, chunk, data)
+        self._cache_result(cid, chunk, reply)
         job.chunks_completed += 1
-        job.bytes_out += len(data) * len(chunk.sinks)
+        job.bytes_out += len(reply.payload) * len(chunk.sinks)
         return Delivery(cid, chunk.dtype, chunk.op, chunk.world_size,
-                        tuple(chunk.sinks), data=data,
+                        tuple(chunk.sinks), reply=reply,
                         latency_s=self._clock() - chunk.started_s)
 
     def _fail(self, cid: ChunkId, code: str, message: str, sinks: tuple[Hashable, ...],
@@ -329,7 +335,7 @@ class ReductionTable:
                                "that disagrees with the completed chunk (dtype, length "
                                "or world_size)")
         return Delivery(cid, result.dtype, result.op, result.world_size, (sink,),
-                        data=result.data, repeat=True)
+                        reply=result.reply, repeat=True)
 
     def _layout_mismatch(self, cid: ChunkId, part: Contribution, sink: Hashable,
                          job: JobStats) -> list[Delivery]:
@@ -345,24 +351,25 @@ class ReductionTable:
             deliveries.append(self._fail(cid, INVALID_ARGUMENT, message, (sink,), part))
         return deliveries
 
-    def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, data: memoryview) -> None:
+    def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, reply: Reply) -> None:
         slot = (cid.job, cid.key, cid.offset)
         previous = self._latest_round.get(slot)
         if previous is not None and previous < cid.round:
             self._drop_result(ChunkId(cid.job, cid.key, previous, cid.offset))
-        if len(data) > self.max_cached_bytes:
+        nbytes = reply.held_bytes
+        if nbytes > self.max_cached_bytes:
             return
-        while self.cached_bytes + len(data) > self.max_cached_bytes and self._results:
+        while self.cached_bytes + nbytes > self.max_cached_bytes and self._results:
             self._drop_result(next(iter(self._results)))
         self._results[cid] = _Result(chunk.dtype, chunk.op, chunk.world_size, chunk.numel,
-                                     data, self._clock() + self.round_timeout_s)
+                                     reply, self._clock() + self.round_timeout_s)
         self._latest_round[slot] = cid.round
-        self.cached_bytes += len(data)
+        self.cached_bytes += nbytes
 
     def _drop_result(self, cid: ChunkId) -> None:
         result = self._results.pop(cid, None)
         if result is not None:
-            self.cached_bytes -= len(result.data)
+            self.cached_bytes -= result.reply.held_bytes
             slot = (cid.job, cid.key, cid.offset)
             if self._latest_round.get(slot) == cid.round:
                 del self._latest_round[slot]
@@ -371,13 +378,6 @@ class ReductionTable:
         if self._open.pop(cid, None) is not None:
             self.bytes_held -= chunk.acc.nbytes
             job.open_chunks -= 1
-
-    def _scratch_for(self, part: Contribution) -> np.ndarray | None:
-        if part.dtype == pb.DTYPE_FLOAT32:
-            return None
-        if self._scratch.size < part.numel:
-            self._scratch = np.empty(part.numel, dtype=np.float32)
-        return self._scratch
 
 
 def _mismatch(chunk: _OpenChunk, part: Contribution) -> str:

@@ -23,9 +23,10 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.config import Config
 from reducerd.dataplane import DataPlane
+from reducerd.grpc_service import ReducerServicer
 from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
-from reducerd.service import ReducerService
+from reducerd.session import Session
 
 if TYPE_CHECKING:
     from reducerd.metrics import Metrics
@@ -70,9 +71,10 @@ class Daemon:
         convert.use_accelerator(not config.wire_numpy)
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
                                     max_open_chunks_per_job=config.max_open_chunks_per_job)
-        self.service = ReducerService(self.table, stalled_after_s=config.stalled_after_s)
+        self.session = Session(self.table)
+        self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s)
         # systemd's notify socket; a no-op outside a Type=notify unit.
-        self.notifier = notifier or Notifier()
+        self.notifier = notifier or Notifier.from_config(config)
         self.metrics: Metrics | None = None
         self.health: health.aio.HealthServicer | None = None  # made by start()
         self.port: int | None = None
@@ -106,7 +108,7 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        server.add_generic_rpc_handlers((self.service.handler(),))
+        server.add_generic_rpc_handlers((self.servicer.handler(),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -127,25 +129,25 @@ class Daemon:
         log.info("listening on %s:%d%s%s", host, self.port, " (TLS)" if cfg.tls_cert else "",
                  " (token required)" if token else "")
         if cfg.data_address is not None:
-            log.info("data plane on %s:%d", cfg.data_address[0], self.service.data_port)
+            log.info("data plane on %s:%d", cfg.data_address[0], self.servicer.data_port)
         return self.port
 
     def _start_data_plane(self, token: str | None) -> None:
         address = self.config.data_address
         if address is None:
             return
-        self.data_plane = DataPlane(self.service, asyncio.get_running_loop(), token,
+        self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), token,
                                     self.config.max_message_bytes,
                                     send_timeout_s=self.config.round_timeout_s)
-        self.service.data_port = self.data_plane.start(*address)
+        self.servicer.data_port = self.data_plane.start(*address)
 
     def _start_metrics(self, address: str) -> None:
         from reducerd.metrics import Metrics  # prometheus-client only when asked for
 
         cfg = self.config
-        self.metrics = Metrics(self.table, self.service, max_jobs=cfg.metrics_max_jobs,
+        self.metrics = Metrics(self.table, self.session, max_jobs=cfg.metrics_max_jobs,
                                stalled_after_s=cfg.stalled_after_s)
-        self.service.observer = self.metrics
+        self.session.observer = self.metrics
         self.metrics.start_http(address, asyncio.get_running_loop())
 
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
@@ -176,8 +178,7 @@ class Daemon:
         period_s = min(0.2, self.config.round_timeout_s / 10)
         while True:
             await asyncio.sleep(period_s)
-            self.service.deliver(self.table.expire())
-            self.service.end_idle_streams(self.config.stream_idle_timeout_s)
+            self.session.expire(self.config.stream_idle_timeout_s)
 
     async def _drain(self) -> None:
         grace_s = self.config.drain_grace_s
@@ -186,7 +187,7 @@ class Daemon:
                  grace_s)
         assert self._server is not None and self.health is not None
         await self.health.enter_graceful_shutdown()
-        self.service.draining = True
+        self.session.draining = True
         self.table.accepting_new_chunks = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
@@ -195,8 +196,7 @@ class Daemon:
         if self.table.open_chunk_count:
             log.warning("failing %d open chunk(s) still incomplete after %g s",
                         self.table.open_chunk_count, grace_s)
-            self.service.deliver(self.table.fail_all(UNAVAILABLE,
-                                                     "daemon shut down before the round completed"))
+            self.session.fail_all(UNAVAILABLE, "daemon shut down before the round completed")
         await asyncio.sleep(0.05)  # let the outboxes flush
         if self.data_plane is not None:
             self.data_plane.stop()

@@ -7,6 +7,7 @@ READY=1 only once health checks answer SERVING, pings WATCHDOG=1 when
 WATCHDOG_USEC is set, and sends STOPPING=1 on SIGTERM before exiting 0.
 """
 
+import argparse
 import os
 import re
 import shutil
@@ -20,11 +21,12 @@ import uuid
 
 import grpc
 import pytest
-from conftest import DEPLOY, UNIT_BINARY, exec_start_args
+from conftest import DEPLOY, ROOT, UNIT_BINARY, exec_start_args
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
+from reducerd.config import add_arguments, config_from_args
 from reducerd.notify import Notifier
 
 SYSTEMD = DEPLOY / "systemd"
@@ -88,18 +90,38 @@ def test_notifier_sends_datagrams_to_path_and_abstract_sockets(abstract):
         path = os.path.join(short_dir, name)
         sock.bind("\0" + name if abstract else path)
         sock.settimeout(5)
-        notifier = Notifier.from_environ(
+        notifier = Notifier.from_config(_config(
             {"NOTIFY_SOCKET": "@" + name if abstract else path,
-             "WATCHDOG_USEC": "3000000", "WATCHDOG_PID": str(os.getpid())})
+             "WATCHDOG_USEC": "3000000", "WATCHDOG_PID": str(os.getpid())}))
         assert notifier.watchdog_s == 3.0
         assert notifier.ready("serving")
         assert sock.recv(4096) == b"READY=1\nSTATUS=serving"
 
 
 def test_notifier_without_socket_is_a_no_op():
-    notifier = Notifier.from_environ({"WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
+    notifier = Notifier.from_config(_config({"WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}))
     assert not notifier.enabled and notifier.watchdog_s is None
     assert not notifier.ready()
+
+
+def test_the_config_reads_systemds_variables_and_nothing_else_does():
+    """Config is the daemon's one reader of the environment: the watchdog is
+    ours only when $WATCHDOG_PID is unset or our pid."""
+    assert _config({"WATCHDOG_USEC": "2000000"}).watchdog_s == 2.0
+    assert _config({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}).watchdog_s is None
+    assert _config({"WATCHDOG_USEC": "soon"}).watchdog_s is None
+    assert _config({"NOTIFY_SOCKET": "/run/x"}).notify_socket == "/run/x"
+    # local.py starts daemons (it passes an environment on); logs.py reads
+    # $JOURNAL_STREAM because config errors are logged before a Config exists.
+    readers = [p.name for p in sorted((ROOT / "reducerd").glob("*.py"))
+               if re.search(r"os\.environ|getenv", p.read_text())]
+    assert set(readers) <= {"config.py", "local.py", "logs.py"}, readers
+
+
+def _config(environ):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args([]), environ=environ)
 
 
 def test_notifier_survives_a_missing_socket(tmp_path):

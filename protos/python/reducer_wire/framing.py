@@ -21,13 +21,15 @@ import numpy as np
 
 from reducer_wire.codes import status_code_from_value
 
-__all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FrameError",
-           "TruncatedFrame", "frame_header", "read_frame", "send_frame", "status_frame",
-           "parse_status", "recv_exactly", "shutdown_quietly", "tune_socket"]
+__all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
+           "FrameError", "TruncatedFrame", "frame_header", "read_frame", "send_frame",
+           "status_frame", "parse_status", "recv_exactly", "shutdown_quietly", "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
 _HEADER = struct.Struct("<BI")
+# A sender may write the header into room it left in front of the message.
+FRAME_HEADER_BYTES = _HEADER.size
 _STATUS_CODE = struct.Struct("<I")
 MAX_HELLO_BYTES = 4096
 # Sends the header with the payload in one segment where the OS allows it.
@@ -115,7 +117,6 @@ def tune_socket(sock: socket.socket) -> None:
 def send_frame(sock: socket.socket, kind: int, payload: bytes | memoryview) -> None:
     sock.sendall(frame_header(kind, len(payload)), _MSG_MORE)
     sock.sendall(payload)
-
 
 
 def shutdown_quietly(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:

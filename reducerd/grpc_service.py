@@ -1,0 +1,150 @@
+"""The gRPC servicer of reducer.v1.Reducer: Reduce streams into the Session, and GetStatus.
+
+Thin on purpose: each Reduce call is a Stream of the Session. A reader task
+hands every received message to Session.accept; the handler writes out what
+the Session puts into the stream's outbox. Shards are decoded by
+reducer_wire.codec, not the generated classes, so shard data is never copied
+on its way in (a view into the received message); replies come serialized.
+All of it runs on the daemon's one event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+import grpc
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd import __version__
+from reducerd.session import END, Session, Stream, daemon_fault_message, decode_request
+
+__all__ = ["ReducerServicer", "INBAND_METADATA"]
+
+log = logging.getLogger("reducerd")
+
+INBAND_METADATA = ("reducer-errors", "inband")
+STALLED_LISTED_AT_MOST = 100
+
+
+class _Throughput:
+    """Bytes per second over a sliding window, from cumulative counters."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int, int]] = deque()
+
+    def rate(self, now: float, bytes_in: int, bytes_out: int) -> tuple[float, float]:
+        self.samples.append((now, bytes_in, bytes_out))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        t0, in0, out0 = self.samples[0]
+        span = now - t0
+        if span <= 0:
+            return 0.0, 0.0
+        return (bytes_in - in0) / span, (bytes_out - out0) / span
+
+
+def _serialized(message: bytes) -> bytes:
+    return message  # the Session hands gRPC streams each reply's bytes, made once
+
+
+class ReducerServicer:
+    """Reduce and GetStatus over one Session."""
+
+    def __init__(self, session: Session, stalled_after_s: float) -> None:
+        self.session = session
+        self.stalled_after_s = stalled_after_s
+        # The TCP data plane's port, set by the daemon when it serves one.
+        self.data_port = 0
+        self.started_s = time.monotonic()
+        self._throughput: dict[str, _Throughput] = {}
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The reducer.v1.Reducer service with our own Shard codec."""
+        return grpc.method_handlers_generic_handler("reducer.v1.Reducer", {
+            "Reduce": grpc.stream_stream_rpc_method_handler(
+                self.Reduce, request_deserializer=decode_request,
+                response_serializer=_serialized),
+            "GetStatus": grpc.unary_unary_rpc_method_handler(
+                self.GetStatus, request_deserializer=pb.StatusRequest.FromString,
+                response_serializer=pb.StatusReply.SerializeToString),
+        })
+
+    async def Reduce(self, request_iterator, context: grpc.aio.ServicerContext):
+        if self.session.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down")
+        inband = INBAND_METADATA in tuple(context.invocation_metadata() or ())
+        stream = Stream(context.peer(), inband)
+        self.session.open_stream(stream)
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            while True:
+                item = await stream.outbox.get()
+                if item is END:
+                    return
+                if isinstance(item, tuple):  # (code, message): end the stream
+                    await context.abort(*item)
+                yield item
+        finally:
+            reader.cancel()
+            self.session.close_stream(stream)
+
+    async def _read(self, request_iterator, stream: Stream) -> None:
+        messages = request_iterator.__aiter__()
+        while True:
+            try:
+                shard = await messages.__anext__()
+            except StopAsyncIteration:
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # gRPC could not hand us the next message
+                log.info("stream from %s broke: %r", stream.peer, exc)
+                stream.end(grpc.StatusCode.INVALID_ARGUMENT, f"cannot read the stream: {exc}")
+                return
+            if not self.session.accept(shard, stream):
+                return
+        stream.half_close()
+
+    async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+        try:
+            return self._status(request)
+        except Exception as exc:
+            log.exception("reducerd fault while answering GetStatus")
+            await context.abort(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
+            raise  # not reached: abort raises
+
+    def _status(self, request: pb.StatusRequest) -> pb.StatusReply:
+        table = self.session.table
+        now = time.monotonic()
+        reply = pb.StatusReply(
+            version=__version__, uptime_s=now - self.started_s,
+            bytes_held=table.bytes_held, max_inflight_bytes=table.max_inflight_bytes,
+            open_streams=len(self.session.streams), stalled_after_s=self.stalled_after_s,
+            round_timeout_s=table.round_timeout_s, data_port=self.data_port)
+        if request.brief:
+            return reply
+        for name, stats in sorted(table.jobs.items()):
+            if request.job and name != request.job:
+                continue
+            rate_in, rate_out = self._throughput.setdefault(name, _Throughput()).rate(
+                now, stats.bytes_in, stats.bytes_out)
+            reply.jobs.add(job=name, chunks_completed=stats.chunks_completed,
+                           chunks_failed=stats.chunks_failed,
+                           open_chunks=stats.open_chunks, bytes_in=stats.bytes_in,
+                           bytes_out=stats.bytes_out, bytes_in_per_s=rate_in,
+                           bytes_out_per_s=rate_out, world_sizes=sorted(stats.world_sizes),
+                           first_seen_unix_s=stats.first_seen_s)
+        for name in [name for name in self._throughput if name not in table.jobs]:
+            del self._throughput[name]  # a forgotten job's window goes with it
+        for cid, world_size, missing, age_s in table.open_chunks():
+            if age_s < self.stalled_after_s or len(reply.stalled) >= STALLED_LISTED_AT_MOST:
+                break
+            if request.job and cid.job != request.job:
+                continue
+            reply.stalled.add(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
+                              world_size=world_size, missing_ranks=missing, age_s=age_s)
+        return reply

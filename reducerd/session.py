@@ -1,0 +1,283 @@
+"""Stream bookkeeping: each stream's shards in, and the replies out to every stream.
+
+A Stream is one Reduce call (grpc_service) or one data-plane connection
+(dataplane): the transports only move bytes. The Session takes each message
+a stream received (accept), checks it on its own (check_shard), counts it in
+the ReductionTable, and puts what the table says to deliver into the outboxes
+of the streams that wait for it (deliver). All of it runs on the daemon's
+event loop thread, as the table requires.
+
+An exception raised by the daemon's own code (the table, the accumulation,
+the metrics) is the daemon's fault, not the client's: it is logged at ERROR
+with its traceback, and the streams concerned end with INTERNAL and a message
+that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol
+
+import grpc
+from reducer_wire import dtypes
+from reducer_wire.codec import DecodeError, ShardView, decode_shard
+
+from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
+from reducerd.replies import Reply, error_reply
+
+__all__ = ["END", "MAX_OFFSET", "DecodeFault", "Observer", "Session", "Stream", "check_shard",
+           "decode_request", "daemon_fault_message"]
+
+log = logging.getLogger("reducerd")
+
+MAX_OFFSET = 1 << 63
+END = object()  # in an outbox: end the stream with OK
+
+
+class Observer(Protocol):
+    """Sees every valid shard and every delivery (reducerd.metrics.Metrics); loop thread."""
+
+    def shard_in(self, job: str, dtype: int, nbytes: int) -> None: ...
+
+    def delivered(self, d: Delivery) -> None: ...
+
+
+class Stream:
+    """One Reduce call or data-plane connection: its outbox and the chunks it waits for.
+
+    The outbox takes replies, then one last item: END (end with OK) or a
+    (grpc.StatusCode, message) tuple (end with that status); the loop thread
+    puts them (the data plane's reader also puts its own "connection broke"
+    marker). A stream with `frames` (the data plane) takes each reply as a
+    Reply, whose data-plane frame its writer sends; any other (gRPC, whose
+    API takes bytes only) takes the bytes of the message.
+    """
+
+    def __init__(self, peer: str, inband_errors: bool, outbox: Any = None,
+                 frames: bool = False) -> None:
+        self.peer = peer
+        self.inband_errors = inband_errors
+        self.frames = frames
+        self.outbox = asyncio.Queue() if outbox is None else outbox
+        self.waiting: set[ChunkId] = set()
+        self.half_closed = False
+        # Set once the last item is in the outbox: nothing more goes in, no shard is taken.
+        self.ended = False
+        self.last_message_s = time.monotonic()
+
+    def half_close(self) -> None:
+        """The client sent its last shard: end with OK once all it waits for is answered."""
+        self.half_closed = True
+        self.maybe_finish()
+
+    def maybe_finish(self) -> None:
+        if self.half_closed and not self.waiting:
+            self.finish()
+
+    def finish(self) -> None:
+        """End with OK (after the replies already in the outbox)."""
+        if not self.ended:
+            self.ended = True
+            self.outbox.put_nowait(END)
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """End with `code` (after the replies already in the outbox); the first end counts."""
+        if not self.ended:
+            self.ended = True
+            self.outbox.put_nowait((code, message))
+
+
+class DecodeFault(NamedTuple):
+    """The decoder itself failed on a message (a bug of ours, not a bad message)."""
+
+    exc: Exception
+
+
+def decode_request(message: bytes | memoryview) -> ShardView | DecodeError | DecodeFault:
+    """Decode a received message. Nothing is raised (gRPC would end the call
+    with a bare INTERNAL): a bad message gives its DecodeError, a failure of
+    the decoder itself a DecodeFault, and accept() answers each."""
+    try:
+        return decode_shard(message)
+    except DecodeError as exc:
+        return exc
+    except Exception as exc:
+        log.exception("reducerd fault while decoding a Shard message")
+        return DecodeFault(exc)
+
+
+def check_shard(shard: ShardView) -> str:
+    """Why this shard is invalid on its own (contract section 2), or '' if it is fine."""
+    if not shard.job:
+        return "job is empty"
+    if not shard.key:
+        return "key is empty"
+    if shard.dtype not in dtypes.DTYPE_NAMES:
+        return f"dtype {shard.dtype} is unspecified or unknown"
+    if shard.op not in dtypes.OP_NAMES:
+        return f"op {shard.op} is unknown"
+    if shard.world_size == 0:
+        return "world_size is 0"
+    if shard.rank >= shard.world_size:
+        return f"rank {shard.rank} is not below world_size {shard.world_size}"
+    itemsize = dtypes.wire_itemsize(shard.dtype)
+    if not shard.data:
+        return "data is empty"
+    if len(shard.data) % itemsize:
+        return (f"data has {len(shard.data)} bytes, not a whole number of "
+                f"{itemsize}-byte elements")
+    if shard.offset + len(shard.data) // itemsize > MAX_OFFSET:
+        return "offset + elements passes 2^63"
+    return ""
+
+
+def daemon_fault_message(exc: BaseException) -> str:
+    return (f"reducerd internal error (a fault of the daemon, not of this client): "
+            f"{exc!r}; the daemon's log has the traceback")
+
+
+class Session:
+    """The streams of both transports over one ReductionTable (loop thread)."""
+
+    def __init__(self, table: ReductionTable, observer: Observer | None = None) -> None:
+        self.table = table
+        self.observer = observer
+        self.streams: set[Stream] = set()
+        self.draining = False  # set by the daemon: transports refuse new streams
+        # (job, key, round, code) of failures logged lately: one line per failed
+        # round, not one per chunk (a 64 MiB key has dozens of chunks).
+        self._logged_failures: deque[tuple[str, str, int, str]] = deque(maxlen=256)
+
+    def open_stream(self, stream: Stream) -> None:
+        self.streams.add(stream)
+
+    def close_stream(self, stream: Stream) -> None:
+        """Forget a stream that ended; its counted contributions stay counted."""
+        self.streams.discard(stream)
+        try:
+            self.table.drop_sink(stream)
+        except Exception:
+            log.exception("reducerd fault while forgetting the stream from %s", stream.peer)
+
+    def accept(self, shard: ShardView | DecodeError | DecodeFault, stream: Stream) -> bool:
+        """Take one received message of `stream`; False when the stream ended
+        (a message that is no valid Shard, or an ended stream: read no more)."""
+        if stream.ended:
+            return False
+        if isinstance(shard, DecodeFault):
+            stream.waiting.clear()
+            stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(shard.exc))
+            return False
+        if isinstance(shard, DecodeError):
+            stream.end(grpc.StatusCode.INVALID_ARGUMENT, f"malformed Shard message: {shard}")
+            return False
+        problem = check_shard(shard)
+        if problem:
+            stream.end(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"invalid shard (job {shard.job!r} key {shard.key!r} round "
+                       f"{shard.round} rank {shard.rank}): {problem}")
+            return False
+        try:
+            self._contribute(shard, stream)
+        except Exception as exc:
+            self._daemon_fault(exc, f"taking a shard of job {shard.job!r} key {shard.key!r} "
+                                    f"round {shard.round} rank {shard.rank} from {stream.peer}",
+                               (stream,))
+            return False
+        return not stream.ended
+
+    def _contribute(self, shard: ShardView, stream: Stream) -> None:
+        if shard.job not in self.table.jobs:
+            log.info("job %r first seen (world size %d)", shard.job, shard.world_size)
+        if self.observer is not None:
+            self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
+        cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
+        part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
+                            shard.data, shard.layout)
+        stream.waiting.add(cid)
+        stream.last_message_s = time.monotonic()
+        self.deliver(self.table.contribute(cid, part, stream))
+
+    def deliver(self, deliveries: Iterable[Delivery]) -> None:
+        """Put each delivery's reply (or failure) into its streams' outboxes."""
+        for d in deliveries:
+            try:
+                self._deliver(d)
+            except Exception as exc:
+                self._daemon_fault(exc, f"delivering {d.chunk.describe()}",
+                                   d.sinks)  # type: ignore[arg-type]
+
+    def _deliver(self, d: Delivery) -> None:
+        if self.observer is not None:
+            self.observer.delivered(d)
+        code = grpc.StatusCode[d.error_code] if d.error_code else None
+        if code is not None and not d.repeat:
+            self._log_failure(d)
+        reply: Reply | None = d.reply
+        message: bytes | None = None  # the bytes gRPC sends, made once for all its streams
+        for sink in d.sinks:
+            stream: Stream = sink  # type: ignore[assignment]
+            stream.waiting.discard(d.chunk)
+            if stream.ended:
+                continue
+            if code is not None and not stream.inband_errors:
+                stream.end(code, d.error_message)
+                continue
+            if reply is None:
+                assert code is not None
+                reply = error_reply(job=d.chunk.job, key=d.chunk.key, round=d.chunk.round,
+                                    offset=d.chunk.offset, dtype=d.dtype, op=d.op,
+                                    world_size=d.world_size, error_code=code.value[0],
+                                    error_message=d.error_message)
+            if stream.frames:
+                stream.outbox.put_nowait(reply)
+            else:
+                if message is None:
+                    message = bytes(reply.message)
+                stream.outbox.put_nowait(message)
+            stream.maybe_finish()
+
+    def expire(self, idle_timeout_s: float) -> None:
+        """Fail chunks past the round timeout; end streams idle for `idle_timeout_s`."""
+        try:
+            deliveries = self.table.expire()
+        except Exception:  # no stream to tell; the next tick tries again
+            log.exception("reducerd fault while expiring chunks")
+            return
+        self.deliver(deliveries)
+        self.end_idle_streams(idle_timeout_s)
+
+    def fail_all(self, code: str, reason: str) -> None:
+        """Fail every open chunk (the daemon shuts down)."""
+        try:
+            deliveries = self.table.fail_all(code, reason)
+        except Exception:
+            log.exception("reducerd fault while failing the open chunks")
+            return
+        self.deliver(deliveries)
+
+    def end_idle_streams(self, idle_timeout_s: float) -> None:
+        """End (OK) streams that wait for nothing and sent nothing for a while,
+        so a client that opens streams and goes quiet holds nothing for ever."""
+        now = time.monotonic()
+        for stream in list(self.streams):
+            if not stream.waiting and now - stream.last_message_s >= idle_timeout_s:
+                stream.finish()
+
+    def _log_failure(self, d: Delivery) -> None:
+        failure = (d.chunk.job, d.chunk.key, d.chunk.round, d.error_code)
+        if failure not in self._logged_failures:
+            self._logged_failures.append(failure)
+            log.warning("chunk failed (%s): %s", d.error_code, d.error_message)
+
+    def _daemon_fault(self, exc: Exception, what: str, streams: Iterable[Stream]) -> None:
+        """Log our own bug with its traceback; end `streams` with INTERNAL saying so."""
+        log.exception("reducerd fault while %s", what)
+        message = daemon_fault_message(exc)
+        for stream in streams:
+            stream.waiting.clear()
+            stream.end(grpc.StatusCode.INTERNAL, message)
