@@ -7,8 +7,8 @@ VENV := .venv
 VENV_MX := .venv-mxnet
 STAMP := $(VENV)/.installed
 STAMP_MX := $(VENV_MX)/.installed
-# The C conversions (setup.py): rebuilt in place when their source changes.
-FASTWIRE := protos/python/reducer_wire/_kernels.c
+# The C conversions and 8-bit formats (setup.py): rebuilt in place when their source changes.
+FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_quant.c
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
@@ -62,4 +62,5 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV_MX) .pytest_cache build protos/python/reducer_wire/_kernels*.so
+	rm -rf $(VENV) $(VENV_MX) .pytest_cache build protos/python/reducer_wire/_kernels*.so \
+		protos/python/reducer_wire/_quant*.so

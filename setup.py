@@ -1,12 +1,17 @@
-"""The one compiled piece: reducer_wire._kernels (wire conversions in C).
+"""The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
+C) and reducer_wire._quant (the 8-bit wire formats in C).
 
-Everything else is declared in pyproject.toml. The extension is optional: where
-no C compiler is at hand the build goes on without it and reducer_wire.convert
-does the same conversions, more slowly, in NumPy.
+Everything else is declared in pyproject.toml. Both extensions are optional:
+where no C compiler is at hand the build goes on without them and
+reducer_wire.convert and reducer_wire.quant do the same work, more slowly, in
+NumPy, with the same bits.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("reducer_wire._kernels",
-                             ["protos/python/reducer_wire/_kernels.c"],
-                             extra_compile_args=["-O3"], optional=True)])
+setup(ext_modules=[
+    Extension("reducer_wire._kernels", ["protos/python/reducer_wire/_kernels.c"],
+              extra_compile_args=["-O3"], optional=True),
+    Extension("reducer_wire._quant", ["protos/python/reducer_wire/_quant.c"],
+              extra_compile_args=["-O3"], libraries=["m"], optional=True),
+])

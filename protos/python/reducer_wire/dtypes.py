@@ -2,16 +2,24 @@
 
 Elements travel little-endian (contract section 2). NumPy has no bfloat16, so
 bfloat16 is held as its uint16 bit patterns: the upper half of a float32.
+
+The 8-bit wires (reducer_wire.quant, docs/wire-8bit.md) are held as bytes
+(uint8). FP8 is one byte per element; int8 is not a whole number of bytes per
+element (a float32 scale per block of wire_block elements rides along), so
+every size is computed with wire_nbytes / wire_numel, never an item size, and
+chunks are cut at whole blocks.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from reducer_wire import quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-__all__ = ["WIRE_DTYPES", "WIRE_OPS", "DTYPE_NAMES", "OP_NAMES", "wire_itemsize",
-           "wire_numpy_dtype", "op_value"]
+__all__ = ["WIRE_DTYPES", "EIGHT_BIT_DTYPES", "WIRE_OPS", "DTYPE_NAMES", "OP_NAMES",
+           "QUANTIZED_DTYPES", "wire_itemsize", "wire_numpy_dtype", "wire_block",
+           "wire_nbytes", "wire_numel", "op_value"]
 
 # Name used in the client API -> protobuf enum value.
 WIRE_DTYPES: dict[str, int] = {
@@ -19,6 +27,15 @@ WIRE_DTYPES: dict[str, int] = {
     "bfloat16": pb.DTYPE_BFLOAT16,
     "float32": pb.DTYPE_FLOAT32,
 }
+# The 8-bit wires, defined here; they join WIRE_DTYPES (and so the client and
+# the daemon) once both sides route them (issue 20, phase B).
+EIGHT_BIT_DTYPES: dict[str, int] = {
+    "int8": pb.DTYPE_INT8_BLOCK128,
+    "fp8_e4m3": pb.DTYPE_FP8_E4M3,
+    "fp8_e5m2": pb.DTYPE_FP8_E5M2,
+}
+# Their enum values: lossy beyond float16's rounding (quant.ERROR_BOUND_DOC).
+QUANTIZED_DTYPES: frozenset[int] = frozenset(EIGHT_BIT_DTYPES.values())
 WIRE_OPS: dict[str, int] = {"sum": pb.REDUCE_OP_SUM, "mean": pb.REDUCE_OP_MEAN}
 
 # Storage dtype of each wire dtype, little-endian as the contract says.
@@ -26,11 +43,16 @@ _STORAGE: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_BFLOAT16: np.dtype("<u2"),
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT8_BLOCK128: np.dtype(np.uint8),
+    pb.DTYPE_FP8_E4M3: np.dtype(np.uint8),
+    pb.DTYPE_FP8_E5M2: np.dtype(np.uint8),
 }
+_BLOCK: dict[int, int] = {pb.DTYPE_INT8_BLOCK128: quant.INT8_BLOCK}
 
 
 def wire_numpy_dtype(dtype: int) -> np.dtype:
-    """NumPy dtype that holds the wire bytes of `dtype` (uint16 for bfloat16)."""
+    """NumPy dtype that holds the wire bytes of `dtype` (uint16 for bfloat16,
+    uint8 for the 8-bit wires: for int8 a byte, not an element)."""
     try:
         return _STORAGE[dtype]
     except KeyError:
@@ -38,9 +60,42 @@ def wire_numpy_dtype(dtype: int) -> np.dtype:
 
 
 def wire_itemsize(dtype: int) -> int:
+    """Bytes per element; ValueError for int8, whose size is wire_nbytes's."""
+    if dtype in _BLOCK:
+        raise ValueError(f"wire dtype {DTYPE_NAMES[dtype]} has no item size (a scale per "
+                         f"{_BLOCK[dtype]} elements): use wire_nbytes / wire_numel")
     return wire_numpy_dtype(dtype).itemsize
 
-DTYPE_NAMES: dict[int, str] = {value: name for name, value in WIRE_DTYPES.items()}
+
+def wire_block(dtype: int) -> int:
+    """Elements per block: chunks hold whole blocks (except a key's last); 1 for
+    the dtypes without a scale."""
+    wire_numpy_dtype(dtype)  # ValueError for an unknown dtype
+    return _BLOCK.get(dtype, 1)
+
+
+def wire_nbytes(dtype: int, numel: int) -> int:
+    """Bytes that `numel` elements of `dtype` take on the wire, scales included."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if dtype == pb.DTYPE_INT8_BLOCK128:
+        return quant.int8_nbytes(numel, quant.INT8_BLOCK)
+    return numel * wire_numpy_dtype(dtype).itemsize
+
+
+def wire_numel(dtype: int, nbytes: int) -> int | None:
+    """Elements held by `nbytes` wire bytes of `dtype`; None when no element
+    count takes exactly that many bytes (a malformed shard)."""
+    if nbytes < 0:
+        return None
+    if dtype == pb.DTYPE_INT8_BLOCK128:
+        return quant.int8_numel(nbytes, quant.INT8_BLOCK)
+    numel, rest = divmod(nbytes, wire_numpy_dtype(dtype).itemsize)
+    return None if rest else numel
+
+
+DTYPE_NAMES: dict[int, str] = {value: name for name, value in
+                               (*WIRE_DTYPES.items(), *EIGHT_BIT_DTYPES.items())}
 OP_NAMES: dict[int, str] = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
                             pb.REDUCE_OP_MEAN: "mean"}
 

@@ -13,6 +13,9 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_INT8_BLOCK128: _ClassVar[DType]
+    DTYPE_FP8_E4M3: _ClassVar[DType]
+    DTYPE_FP8_E5M2: _ClassVar[DType]
 
 class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +26,9 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT32: DType
+DTYPE_INT8_BLOCK128: DType
+DTYPE_FP8_E4M3: DType
+DTYPE_FP8_E5M2: DType
 REDUCE_OP_UNSPECIFIED: ReduceOp
 REDUCE_OP_SUM: ReduceOp
 REDUCE_OP_MEAN: ReduceOp

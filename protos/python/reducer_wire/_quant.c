@@ -1,0 +1,513 @@
+/* The 8-bit wire formats in C: int8 with a float32 scale per block, and the
+ * OCP FP8 formats E4M3 and E5M2; quantize float32, dequantize to float32, and
+ * the daemon's dequantize-and-add into a float32 accumulator, without the GIL.
+ *
+ * reducer_wire/quant.py holds the formats' definition and the NumPy reference;
+ * every function here gives its bits exactly (tests/unit/test_quant.py checks
+ * both paths), so results never depend on which end has the extension:
+ *   - int8: a block's scale is fl(absmax / 127) rounded up to a float32 whose
+ *     7 lowest mantissa bits are zero (at least 2^-142), its codes
+ *     rint(x / scale) in float32 (ties to even). code * scale is then exact,
+ *     so fused or not, acc + code * scale rounds once;
+ *   - FP8: nearest even, finite overflow saturates to the largest finite,
+ *     NaN -> the format's NaN, Inf -> E5M2 Inf or E4M3 NaN, sign kept;
+ *     decoding is exact.
+ * The loops are written once (always-inline bodies) and compiled twice: for
+ * the baseline x86-64 (or any CPU) and for AVX2, chosen at run time, where the
+ * compiler vectorises them. Buffers may be unaligned (shard data sits
+ * anywhere in a received message) except the float32 accumulator.
+ * Little-endian hosts only, like _kernels.c.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define HAVE_AVX2_PATH 1
+#define AVX2 __attribute__((target("avx2")))
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE uint32_t load_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+INLINE float load_f32(const char *p) { float v; memcpy(&v, p, 4); return v; }
+INLINE float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+INLINE uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* ---- int8 with a scale per block ---- */
+
+#define SCALE_BYTES 4
+#define SCALE_LOW_BITS 0x7Fu
+#define SCALE_MIN_BITS 0x80u   /* 2^-142 */
+#define NAN_BITS 0x7FC00000u
+
+static Py_ssize_t q8_nbytes(Py_ssize_t n, Py_ssize_t block) {
+    return SCALE_BYTES * ((n + block - 1) / block) + n;
+}
+
+/* The scale of a block whose largest |x| has the bits amax (sign clear). */
+INLINE uint32_t q8_scale_bits(uint32_t amax) {
+    if (amax >= 0x7F800000u) return NAN_BITS;  /* NaN or Inf in the block */
+    if (amax == 0) return 0;
+    uint32_t bits = (float_to_bits(bits_to_float(amax) / 127.0f) + SCALE_LOW_BITS)
+                    & ~SCALE_LOW_BITS;
+    return bits < SCALE_MIN_BITS ? SCALE_MIN_BITS : bits;
+}
+
+/* rint(v) clamped to +-127 (|v| <= 127.0001 here, see quant.py): adding and
+ * subtracting 1.5 * 2^23 rounds to an integer, nearest even, as rintf does in
+ * the default rounding mode, without a call into libm on baseline x86-64. */
+INLINE int8_t q8_code(float v) {
+    const float magic = 12582912.0f;
+    float r = (v + magic) - magic;
+    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+    return (int8_t)(int32_t)r;
+}
+
+INLINE void q8_encode_body(const char *restrict src, char *restrict dst, Py_ssize_t n,
+                           Py_ssize_t block) {
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    int8_t *codes = (int8_t *)(dst + SCALE_BYTES * nblocks);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        const char *x = src + 4 * b * block;
+        int8_t *q = codes + b * block;
+        Py_ssize_t len = n - b * block < block ? n - b * block : block;
+        uint32_t amax = 0;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            uint32_t m = load_u32(x + 4 * i) & 0x7FFFFFFFu;
+            amax = m > amax ? m : amax;
+        }
+        uint32_t scale_bits = q8_scale_bits(amax);
+        memcpy(dst + SCALE_BYTES * b, &scale_bits, 4);
+        if (scale_bits == 0 || scale_bits == NAN_BITS) {
+            memset(q, 0, (size_t)len);
+            continue;
+        }
+        float scale = bits_to_float(scale_bits);
+        for (Py_ssize_t i = 0; i < len; i++)
+            q[i] = q8_code(load_f32(x + 4 * i) / scale);
+    }
+}
+
+INLINE void q8_decode_body(const char *restrict src, char *restrict dst, Py_ssize_t n,
+                           Py_ssize_t block) {
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    const int8_t *codes = (const int8_t *)(src + SCALE_BYTES * nblocks);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        float scale = load_f32(src + SCALE_BYTES * b);
+        const int8_t *q = codes + b * block;
+        char *out = dst + 4 * b * block;
+        Py_ssize_t len = n - b * block < block ? n - b * block : block;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            float v = (float)q[i] * scale;
+            memcpy(out + 4 * i, &v, 4);
+        }
+    }
+}
+
+INLINE void q8_add_body(float *restrict acc, const char *restrict src, Py_ssize_t n,
+                        Py_ssize_t block) {
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    const int8_t *codes = (const int8_t *)(src + SCALE_BYTES * nblocks);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        float scale = load_f32(src + SCALE_BYTES * b);
+        const int8_t *q = codes + b * block;
+        float *a = acc + b * block;
+        Py_ssize_t len = n - b * block < block ? n - b * block : block;
+        for (Py_ssize_t i = 0; i < len; i++)
+            a[i] += (float)q[i] * scale;
+    }
+}
+
+/* ---- FP8 ---- */
+
+/* a where mask is all ones, b where it is zero: no branch, so loops vectorise. */
+INLINE uint32_t pick_bits(uint32_t mask, uint32_t a, uint32_t b) {
+    return (a & mask) | (b & ~mask);
+}
+INLINE uint32_t mask_if(int condition) { return (uint32_t)0 - (uint32_t)(condition != 0); }
+/* Magnitudes have the sign bit clear, so they compare as int32: AVX2 has
+ * signed compares only. */
+INLINE int below(uint32_t magnitude, uint32_t limit) { return (int32_t)magnitude < (int32_t)limit; }
+
+INLINE uint32_t fp8_from_bits(uint32_t bits, int mbits, int bias, uint32_t max_bits,
+                              uint32_t max_code, uint32_t inf_code, uint32_t nan_code) {
+    uint32_t magnitude = bits & 0x7FFFFFFFu;
+    int shift = 23 - mbits;
+    /* Normal: rebias, add just under half an ulp plus the kept lowest bit. */
+    uint32_t odd = (magnitude >> shift) & 1u;
+    uint32_t normal = (magnitude + ((uint32_t)(bias - 127) << 23)
+                       + ((1u << (shift - 1)) - 1u) + odd) >> shift;
+    /* Subnormal: 2^k whose ulp is the smallest subnormal aligns the value;
+     * the float32 addition rounds to nearest even. */
+    uint32_t magic = (uint32_t)(127 - bias + shift + 1) << 23;
+    uint32_t tiny = float_to_bits(bits_to_float(magnitude) + bits_to_float(magic)) - magic;
+    uint32_t code = pick_bits(mask_if(below(magnitude, (uint32_t)(127 - bias + 1) << 23)),
+                              tiny, normal);
+    code = pick_bits(mask_if(!below(magnitude, max_bits)), max_code, code);
+    code = pick_bits(mask_if(magnitude == 0x7F800000u), inf_code, code);
+    code = pick_bits(mask_if(below(0x7F800000u, magnitude)), nan_code, code);
+    return code | ((bits >> 24) & 0x80u);
+}
+
+/* The format's fields as constants, so each loop is compiled for one format. */
+#define FP8_ARGS_E4M3 3, 7, 0x43E00000u, 0x7Eu, 0x7Fu, 0x7Fu
+#define FP8_ARGS_E5M2 2, 15, 0x47600000u, 0x7Bu, 0x7Cu, 0x7Eu
+
+INLINE void fp8_encode_body(const char *src, char *dst, Py_ssize_t n, int kind) {
+    uint8_t *out = (uint8_t *)dst;
+    if (kind == 0) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (uint8_t)fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E4M3);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (uint8_t)fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E5M2);
+    }
+}
+
+/* Decoding by arithmetic, exact: the same bits as quant.fp8_table. */
+INLINE float fp8_to_float(uint32_t code, int mbits, int bias, uint32_t inf_code,
+                          uint32_t nan_code) {
+    uint32_t magnitude = code & 0x7Fu;
+    /* Normal: the fields move into float32 position, the exponent is rebiased. */
+    uint32_t u = (magnitude << (23 - mbits)) + ((uint32_t)(127 - bias) << 23);
+    /* Subnormal (exponent 0): mantissa * 2^(1 - bias - mbits), exact; computed
+     * from an integer so no float32 subnormal ever enters the arithmetic
+     * (Intel CPUs take a slow assist on each). */
+    float tiny = (float)(int32_t)magnitude * bits_to_float((uint32_t)(128 - bias - mbits) << 23);
+    u = pick_bits(mask_if(below(magnitude, 1u << mbits)), float_to_bits(tiny), u);
+    if (inf_code != nan_code) {  /* E5M2: exponent all ones is Inf or NaN */
+        u = pick_bits(mask_if(magnitude == inf_code), 0x7F800000u, u);
+        u = pick_bits(mask_if(below(inf_code, magnitude)), NAN_BITS, u);
+    } else {
+        u = pick_bits(mask_if(magnitude == nan_code), NAN_BITS, u);
+    }
+    return bits_to_float(u | ((code & 0x80u) << 24));
+}
+
+#define FP8_DECODE_E4M3 3, 7, 0x7Fu, 0x7Fu
+#define FP8_DECODE_E5M2 2, 15, 0x7Cu, 0x7Eu
+
+INLINE void fp8_decode_body(const char *src, char *dst, Py_ssize_t n, int kind) {
+    const uint8_t *codes = (const uint8_t *)src;
+    if (kind == 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float v = fp8_to_float(codes[i], FP8_DECODE_E4M3);
+            memcpy(dst + 4 * i, &v, 4);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float v = fp8_to_float(codes[i], FP8_DECODE_E5M2);
+            memcpy(dst + 4 * i, &v, 4);
+        }
+    }
+}
+
+INLINE void fp8_add_body(float *restrict acc, const char *restrict src, Py_ssize_t n,
+                         int kind) {
+    const uint8_t *codes = (const uint8_t *)src;
+    if (kind == 0) {
+        for (Py_ssize_t i = 0; i < n; i++) acc[i] += fp8_to_float(codes[i], FP8_DECODE_E4M3);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) acc[i] += fp8_to_float(codes[i], FP8_DECODE_E5M2);
+    }
+}
+
+/* ---- the two compilations of every loop ---- */
+
+typedef void (*q8_fn)(const char *, char *, Py_ssize_t, Py_ssize_t);
+typedef void (*q8_add_fn)(float *, const char *, Py_ssize_t, Py_ssize_t);
+typedef void (*fp8_fn)(const char *, char *, Py_ssize_t, int);
+typedef void (*fp8_add_fn)(float *, const char *, Py_ssize_t, int);
+
+#define VARIANTS(ATTR, SUFFIX)                                                          \
+    ATTR static void q8_decode_##SUFFIX(const char *s, char *d, Py_ssize_t n,           \
+                                        Py_ssize_t b) { q8_decode_body(s, d, n, b); }   \
+    ATTR static void q8_add_##SUFFIX(float *a, const char *s, Py_ssize_t n,             \
+                                     Py_ssize_t b) { q8_add_body(a, s, n, b); }         \
+    ATTR static void fp8_encode_##SUFFIX(const char *s, char *d, Py_ssize_t n,          \
+                                         int k) { fp8_encode_body(s, d, n, k); }        \
+    ATTR static void fp8_decode_##SUFFIX(const char *s, char *d, Py_ssize_t n,          \
+                                         int k) { fp8_decode_body(s, d, n, k); }        \
+    ATTR static void fp8_add_##SUFFIX(float *a, const char *s, Py_ssize_t n,            \
+                                      int k) { fp8_add_body(a, s, n, k); }
+
+VARIANTS(, generic)
+static void q8_encode_generic(const char *s, char *d, Py_ssize_t n, Py_ssize_t b) {
+    q8_encode_body(s, d, n, b);
+}
+#ifdef HAVE_AVX2_PATH
+VARIANTS(AVX2, avx2)
+#endif
+
+#ifdef HAVE_AVX2_PATH
+#include <immintrin.h>
+/* int8 encoding by hand: vcvtps2dq rounds to nearest even (the default MXCSR
+ * mode, which Python and NumPy keep), as rintf does, and the saturating packs
+ * clamp as the portable loop does (|x / scale| <= 127.0001 anyway). */
+AVX2 static void q8_encode_block_avx2(const char *x, int8_t *q, Py_ssize_t len,
+                                      float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        const float *p = (const float *)(x + 4 * i);
+        __m256i a = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(p), s));
+        __m256i b = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(p + 8), s));
+        __m256i c = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(p + 16), s));
+        __m256i d = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(p + 24), s));
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(packed, order));
+    }
+    for (; i < len; i++)
+        q[i] = q8_code(load_f32(x + 4 * i) / scale);
+}
+
+AVX2 static void q8_encode_avx2_intrinsics(const char *src, char *dst, Py_ssize_t n,
+                                           Py_ssize_t block) {
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    int8_t *codes = (int8_t *)(dst + SCALE_BYTES * nblocks);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        const char *x = src + 4 * b * block;
+        Py_ssize_t len = n - b * block < block ? n - b * block : block;
+        __m256i vmax = _mm256_setzero_si256();
+        Py_ssize_t i = 0;
+        for (; i + 8 <= len; i += 8)
+            vmax = _mm256_max_epu32(vmax, _mm256_and_si256(
+                _mm256_loadu_si256((const __m256i *)(x + 4 * i)), abs_mask));
+        uint32_t lanes[8], amax = 0;
+        _mm256_storeu_si256((__m256i *)lanes, vmax);
+        for (int k = 0; k < 8; k++) amax = lanes[k] > amax ? lanes[k] : amax;
+        for (; i < len; i++) {
+            uint32_t m = load_u32(x + 4 * i) & 0x7FFFFFFFu;
+            amax = m > amax ? m : amax;
+        }
+        uint32_t scale_bits = q8_scale_bits(amax);
+        memcpy(dst + SCALE_BYTES * b, &scale_bits, 4);
+        if (scale_bits == 0 || scale_bits == NAN_BITS)
+            memset(codes + b * block, 0, (size_t)len);
+        else
+            q8_encode_block_avx2(x, codes + b * block, len, bits_to_float(scale_bits));
+    }
+}
+#endif
+
+static int use_avx2 = 0;
+
+#ifdef HAVE_AVX2_PATH
+#define PICK(name) (use_avx2 ? name##_avx2 : name##_generic)
+#else
+#define PICK(name) (name##_generic)
+#endif
+
+/* ---- Python bindings ---- */
+
+static int release_both(Py_buffer *a, Py_buffer *b) {
+    PyBuffer_Release(a);
+    PyBuffer_Release(b);
+    return 0;
+}
+
+static int check_block(Py_ssize_t block, const char *name) {
+    if (block < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: block must be >= 1, got %zd", name, block);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_acc(Py_buffer *acc, const char *name) {
+    if (acc->len % 4) {
+        PyErr_Format(PyExc_ValueError, "%s: the accumulator of %zd bytes is not whole "
+                     "float32 elements", name, acc->len);
+        return -1;
+    }
+    if ((uintptr_t)acc->buf % 4) {
+        PyErr_Format(PyExc_ValueError, "%s: the float32 accumulator is not 4-byte "
+                     "aligned", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_q8_encode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "y*w*n", &src, &dst, &block)) return NULL;
+    Py_ssize_t n = src.len / 4;
+    if (check_block(block, "q8_encode") < 0) return release_both(&src, &dst), NULL;
+    if (src.len % 4 || dst.len != q8_nbytes(n, block)) {
+        PyErr_Format(PyExc_ValueError, "q8_encode: %zd source bytes are not whole float32 "
+                     "elements, or the destination of %zd bytes is not their int8 size "
+                     "in blocks of %zd", src.len, dst.len, block);
+        return release_both(&src, &dst), NULL;
+    }
+#ifdef HAVE_AVX2_PATH
+    q8_fn fn = use_avx2 ? q8_encode_avx2_intrinsics : q8_encode_generic;
+#else
+    q8_fn fn = q8_encode_generic;
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    fn((const char *)src.buf, (char *)dst.buf, n, block);
+    Py_END_ALLOW_THREADS
+    release_both(&src, &dst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_q8_decode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "y*w*n", &src, &dst, &block)) return NULL;
+    Py_ssize_t n = dst.len / 4;
+    if (check_block(block, "q8_decode") < 0) return release_both(&src, &dst), NULL;
+    if (dst.len % 4 || src.len != q8_nbytes(n, block)) {
+        PyErr_Format(PyExc_ValueError, "q8_decode: the destination of %zd bytes is not "
+                     "whole float32 elements, or the source of %zd bytes is not their "
+                     "int8 size in blocks of %zd", dst.len, src.len, block);
+        return release_both(&src, &dst), NULL;
+    }
+    q8_fn fn = PICK(q8_decode);
+    Py_BEGIN_ALLOW_THREADS
+    fn((const char *)src.buf, (char *)dst.buf, n, block);
+    Py_END_ALLOW_THREADS
+    release_both(&src, &dst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_q8_add(PyObject *self, PyObject *args) {
+    Py_buffer acc, src;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "w*y*n", &acc, &src, &block)) return NULL;
+    Py_ssize_t n = acc.len / 4;
+    if (check_block(block, "q8_add") < 0 || check_acc(&acc, "q8_add") < 0)
+        return release_both(&acc, &src), NULL;
+    if (src.len != q8_nbytes(n, block)) {
+        PyErr_Format(PyExc_ValueError, "q8_add: the source of %zd bytes is not the int8 "
+                     "size of %zd elements in blocks of %zd", src.len, n, block);
+        return release_both(&acc, &src), NULL;
+    }
+    q8_add_fn fn = PICK(q8_add);
+    Py_BEGIN_ALLOW_THREADS
+    fn((float *)acc.buf, (const char *)src.buf, n, block);
+    Py_END_ALLOW_THREADS
+    release_both(&acc, &src);
+    Py_RETURN_NONE;
+}
+
+static int check_kind(int kind, const char *name) {
+    if (kind != 0 && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "%s: format %d is not 0 (E4M3) or 1 (E5M2)",
+                     name, kind);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_fp8_encode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*w*i", &src, &dst, &kind)) return NULL;
+    Py_ssize_t n = src.len / 4;
+    if (check_kind(kind, "fp8_encode") < 0) return release_both(&src, &dst), NULL;
+    if (src.len % 4 || dst.len != n) {
+        PyErr_Format(PyExc_ValueError, "fp8_encode: source of %zd bytes and destination "
+                     "of %zd bytes do not hold the same number of float32 and 1-byte "
+                     "elements", src.len, dst.len);
+        return release_both(&src, &dst), NULL;
+    }
+    fp8_fn fn = PICK(fp8_encode);
+    Py_BEGIN_ALLOW_THREADS
+    fn((const char *)src.buf, (char *)dst.buf, n, kind);
+    Py_END_ALLOW_THREADS
+    release_both(&src, &dst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fp8_decode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*w*i", &src, &dst, &kind)) return NULL;
+    Py_ssize_t n = src.len;
+    if (check_kind(kind, "fp8_decode") < 0) return release_both(&src, &dst), NULL;
+    if (dst.len != 4 * n) {
+        PyErr_Format(PyExc_ValueError, "fp8_decode: source of %zd bytes and destination "
+                     "of %zd bytes do not hold the same number of 1-byte and float32 "
+                     "elements", src.len, dst.len);
+        return release_both(&src, &dst), NULL;
+    }
+    fp8_fn fn = PICK(fp8_decode);
+    Py_BEGIN_ALLOW_THREADS
+    fn((const char *)src.buf, (char *)dst.buf, n, kind);
+    Py_END_ALLOW_THREADS
+    release_both(&src, &dst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fp8_add(PyObject *self, PyObject *args) {
+    Py_buffer acc, src;
+    int kind;
+    if (!PyArg_ParseTuple(args, "w*y*i", &acc, &src, &kind)) return NULL;
+    Py_ssize_t n = acc.len / 4;
+    if (check_kind(kind, "fp8_add") < 0 || check_acc(&acc, "fp8_add") < 0)
+        return release_both(&acc, &src), NULL;
+    if (src.len != n) {
+        PyErr_Format(PyExc_ValueError, "fp8_add: accumulator of %zd bytes and source of "
+                     "%zd bytes do not hold the same number of float32 and 1-byte "
+                     "elements", acc.len, src.len);
+        return release_both(&acc, &src), NULL;
+    }
+    fp8_add_fn fn = PICK(fp8_add);
+    Py_BEGIN_ALLOW_THREADS
+    fn((float *)acc.buf, (const char *)src.buf, n, kind);
+    Py_END_ALLOW_THREADS
+    release_both(&acc, &src);
+    Py_RETURN_NONE;
+}
+
+static int cpu_has_avx2(void) {
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
+    /* For tests: the baseline loops (False) or the AVX2 ones where the CPU has it. */
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    use_avx2 = on && cpu_has_avx2();
+    return PyBool_FromLong(use_avx2);
+}
+
+static PyMethodDef methods[] = {
+    {"q8_encode", py_q8_encode, METH_VARARGS,
+     "q8_encode(src, dst, block): float32 -> int8 wire bytes (scales, then codes)."},
+    {"q8_decode", py_q8_decode, METH_VARARGS,
+     "q8_decode(src, dst, block): int8 wire bytes -> float32, exact."},
+    {"q8_add", py_q8_add, METH_VARARGS,
+     "q8_add(acc, src, block): float32 acc += the decoded int8 wire bytes."},
+    {"fp8_encode", py_fp8_encode, METH_VARARGS,
+     "fp8_encode(src, dst, kind): float32 -> FP8 codes (kind 0 E4M3, 1 E5M2)."},
+    {"fp8_decode", py_fp8_decode, METH_VARARGS,
+     "fp8_decode(src, dst, kind): FP8 codes -> float32, exact."},
+    {"fp8_add", py_fp8_add, METH_VARARGS,
+     "fp8_add(acc, src, kind): float32 acc += the values of FP8 codes."},
+    {"set_simd", py_set_simd, METH_O,
+     "set_simd(on) -> bool: use the AVX2 loops if on and the CPU has AVX2."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_quant",
+    "int8 (block scales) and FP8 wire formats for reducer_wire.quant (no GIL).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__quant(void) {
+    use_avx2 = cpu_has_avx2();
+    return PyModule_Create(&module);
+}
