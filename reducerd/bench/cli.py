@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Allreduce float32 gradients over a sweep of sizes with reducerd "
                     "(D daemons, N worker processes) and, in the same run, with Gloo's "
                     "ring and MXNet's ps-lite parameter server; print time, algorithm "
-                    "and bus bandwidth (nccl-tests' definitions) and the ratios.")
+                    "and bus bandwidth (nccl-tests' definitions) and the ratios. "
+                    "`reducerd bench --train MODEL --help`: whole training steps instead.")
     parser.add_argument("--workers", type=int, required=True, metavar="N",
                         help="worker processes (ranks) for every system")
     parser.add_argument("--daemons", type=int, required=True, metavar="D",
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baselines", default="gloo,mxnet", metavar="LIST",
                         help=f"comma-separated, from {', '.join(BASELINE_CHOICES)} "
                              "(default gloo,mxnet; gloo means float32 and float16)")
+    parser.add_argument("--no-ddp-hook", dest="ddp_hook", action="store_false",
+                        help="do not time the PyTorch shim's path (a DDP bucket through "
+                             "reducer_client.torch.allreduce_hook, system "
+                             "reducerd-ddp-hook) beside the core's")
     parser.add_argument("--emulate-cluster", metavar="RATE",
                         help="every host in its own network namespace, each link shaped "
                              "to RATE both ways (tc syntax, e.g. 200mbit); needs root")
@@ -113,11 +118,15 @@ def config_from_argv(argv: list[str]) -> BenchConfig:
         workers_per_node=args.workers_per_node,
         json_path=args.json, plot_path=args.plot, mxnet_python=args.mxnet_python,
         stall_timeout_s=args.stall_timeout, chunk_bytes=args.chunk_bytes,
-        log_dir=args.log_dir)
+        log_dir=args.log_dir, ddp_hook=args.ddp_hook)
 
 
 def main(argv: list[str]) -> int:
     """`reducerd bench ...`: 0 when every system ran, 1 when one failed, 2 on usage errors."""
+    if any(arg == "--train" or arg.startswith("--train=") for arg in argv):
+        from reducerd.bench.train.cli import main as train_main  # whole training steps
+
+        return train_main(argv)
     try:
         config = config_from_argv(argv)
     except UsageError as exc:

@@ -1,0 +1,182 @@
+"""A model whose parameters are real and whose accelerator compute is modeled as time.
+
+Each layer of a ModelSpec becomes a ModeledLayer holding that layer's
+parameter tensors (the architecture's shapes, or 1-D and `byte_scale` times
+smaller). Its forward pass is one autograd Function that waits the layer's
+forward time; its backward waits the backward time, then produces the
+layer's gradients, so autograd accumulates them layer by layer in backward
+order and DDP's buckets and the DistributedOptimizer's hooks fire as they
+would on an accelerator. The waits are sleeps: the CPUs stay free for the
+network path, as they would beside a GPU.
+
+The loss is a quadratic with a per-rank target: for a parameter p with
+target scalar c, rank r's gradient is p - (r + 1) c, so the average over N
+ranks is p - c (N + 1) / 2, which reference_step() computes in float64.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from reducerd.bench.train.config import scaled_numel
+from reducerd.bench.train.specs import ModelSpec
+
+__all__ = ["ComputeClock", "ModeledLayer", "ModeledModel", "build_model", "reference_step",
+           "error_bound"]
+
+_INIT_STD = 0.02  # BERT's initializer range; the values only need to be deterministic
+_SEED = 1234
+
+
+class ComputeClock:
+    """Where modeled compute waits, and how long it actually waited.
+
+    `enabled` False skips the waits (to time communication alone). The
+    totals are read by the training loop between steps; `_lock` guards them
+    (the waits run on the caller's thread in forward and on autograd's in
+    backward).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._waited_s = 0.0
+        self.backward_ends: list[float] = []  # perf_counter after each layer's backward
+
+    def wait(self, seconds: float) -> None:
+        if not self.enabled or seconds <= 0:
+            return
+        start = time.perf_counter()
+        time.sleep(seconds)
+        with self._lock:
+            self._waited_s += time.perf_counter() - start
+
+    def backward_done(self) -> None:
+        with self._lock:
+            self.backward_ends.append(time.perf_counter())
+
+    def take(self) -> tuple[float, list[float]]:
+        """(seconds waited, backward end times) since the last take()."""
+        with self._lock:
+            waited, ends = self._waited_s, self.backward_ends
+            self._waited_s, self.backward_ends = 0.0, []
+        return waited, ends
+
+
+class _Compute(torch.autograd.Function):
+    """Identity on the activation token; waits, and yields the layer's gradients."""
+
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, layer: ModeledLayer, *params: torch.Tensor):
+        layer.clock.wait(layer.forward_s)
+        ctx.layer = layer
+        return token.clone()
+
+    @staticmethod
+    def backward(ctx, grad_token: torch.Tensor):
+        layer: ModeledLayer = ctx.layer
+        layer.clock.wait(layer.backward_s)
+        grads = layer.gradients()
+        layer.clock.backward_done()
+        return (grad_token, None, *grads)
+
+
+class ModeledLayer(torch.nn.Module):
+    """One layer: its parameters, its modeled times, its synthetic gradients."""
+
+    def __init__(self, path: str, params: list[tuple[str, torch.nn.Parameter, float]],
+                 forward_s: float, backward_s: float, clock: ComputeClock, rank: int) -> None:
+        super().__init__()
+        self.path, self.forward_s, self.backward_s = path, forward_s, backward_s
+        self.clock, self.rank = clock, rank
+        self.targets: list[float] = []
+        for name, param, target in params:
+            self.register_parameter(name, param)
+            self.targets.append(target)
+
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        return _Compute.apply(token, self, *self.parameters(recurse=False))
+
+    def gradients(self) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [p.detach() - (self.rank + 1) * c
+                    for p, c in zip(self.parameters(recurse=False), self.targets, strict=True)]
+
+
+class ModeledModel(torch.nn.Module):
+    """The layers in forward order; forward(token) runs them all."""
+
+    def __init__(self, layers: list[ModeledLayer]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            token = layer(token)
+        return token
+
+    def modeled_layers(self) -> Iterator[ModeledLayer]:
+        yield from self.layers  # type: ignore[misc]
+
+
+def _target(index: int) -> float:
+    # Distinct per tensor, so a gradient written into the wrong tensor shows.
+    return 0.01 * (1 + index % 7)
+
+
+def build_model(spec: ModelSpec, times: list[tuple[float, float]], byte_scale: float,
+                clock: ComputeClock, rank: int) -> ModeledModel:
+    """The spec's layers with deterministic initial values (the same on every rank).
+
+    byte_scale 1 keeps the architecture's shapes; above 1 each tensor is 1-D
+    with scaled_numel elements.
+    """
+    generator = torch.Generator().manual_seed(_SEED)
+    layers, index = [], 0
+    for layer_spec, (forward_s, backward_s) in zip(spec.layers, times, strict=True):
+        params = []
+        for p in layer_spec.params:
+            shape = p.shape if byte_scale == 1 else (scaled_numel(p.numel, byte_scale),)
+            values = torch.randn(shape, generator=generator) * _INIT_STD
+            # Parameter names cannot hold dots; the spec keeps the real path.
+            params.append((p.name.rsplit(".", 2)[-2] + "_" + p.name.rsplit(".", 1)[-1]
+                           + f"_{index}", torch.nn.Parameter(values), _target(index)))
+            index += 1
+        layers.append(ModeledLayer(layer_spec.path, params, forward_s, backward_s, clock, rank))
+    return ModeledModel(layers)
+
+
+def reference_step(model: ModeledModel, world_size: int, lr: float,
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(parameters after one SGD step, largest |rank gradient|) per tensor, in float64.
+
+    Call before the step, on the initial parameters.
+    """
+    after, largest = [], []
+    for layer in model.modeled_layers():
+        for p, c in zip(layer.parameters(recurse=False), layer.targets, strict=True):
+            p0 = p.detach().double().numpy().ravel()
+            mean_grad = p0 - c * (world_size + 1) / 2
+            after.append(p0 - lr * mean_grad)
+            largest.append(np.maximum(np.abs(p0 - c), np.abs(p0 - world_size * c)))
+    return after, largest
+
+
+def error_bound(reference: np.ndarray, largest_grad: np.ndarray, lr: float, world_size: int,
+                wire_unit_roundoff: float) -> np.ndarray:
+    """Elementwise bound on |parameter after one step - float64 reference|.
+
+    The averaged gradient: each rank's gradient rounded to the wire dtype, at
+    most world_size roundings of partial sums (Gloo's float16 ring adds in
+    float16; reducerd adds in float32, tighter) and one of the mean: at most
+    (world_size + 2) unit roundoffs of the largest rank gradient. Then the
+    float32 update p - lr g: one rounding of lr g and one of the result.
+    """
+    f32 = 2.0 ** -24
+    return (lr * (world_size + 2) * wire_unit_roundoff * largest_grad
+            + 2 * f32 * (np.abs(reference) + lr * largest_grad) + 1e-30)
