@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BenchConfig", "SYSTEMS", "BASELINE_CHOICES", "WIRE_ITEMSIZE", "systems_for"]
+__all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "BASELINE_CHOICES", "WIRE_ITEMSIZE",
+           "systems_for"]
 
 # Every system the bench knows, in the order it runs them (and prints them).
-SYSTEMS = ("reducerd", "gloo-float32", "gloo-float16", "mxnet-ps")
+SYSTEMS = ("reducerd", "reducerd-ddp-hook", "gloo-float32", "gloo-float16", "mxnet-ps")
+# The systems that run on reducerd daemons: the core's allreduce(out=), and a
+# DDP bucket through reducer_client.torch.allreduce_hook (the shim's path).
+REDUCERD_SYSTEMS = ("reducerd", "reducerd-ddp-hook")
 # --baselines words -> systems.
 BASELINE_CHOICES = {
     "gloo": ("gloo-float32", "gloo-float16"),
@@ -44,10 +48,13 @@ class BenchConfig:
     stall_timeout_s: float = 300.0
     chunk_bytes: int | None = None
     log_dir: Path | None = None
+    # Time the DDP hook's path beside the core's (needs torch).
+    ddp_hook: bool = True
 
     @property
     def systems(self) -> tuple[str, ...]:
-        return ("reducerd", *self.baselines)
+        return ("reducerd", *(("reducerd-ddp-hook",) if self.ddp_hook else ()),
+                *self.baselines)
 
     @property
     def nodes(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from reducerd.bench.config import WIRE_ITEMSIZE, BenchConfig
+from reducerd.bench.config import REDUCERD_SYSTEMS, WIRE_ITEMSIZE, BenchConfig
 
 __all__ = ["aggregate", "theory_bytes_per_node", "daemon_link_bytes", "line_rate_bound_s",
            "time_ratios"]
@@ -29,7 +29,7 @@ MXNET_BIGARRAY_BOUND = 1_000_000
 
 
 def _itemsize(system: str, config: BenchConfig) -> int:
-    if system == "reducerd":
+    if system in REDUCERD_SYSTEMS:
         return WIRE_ITEMSIZE[config.wire_dtype]
     if system == "mxnet-ps":
         return WIRE_ITEMSIZE[config.mxnet_dtype]
@@ -38,7 +38,7 @@ def _itemsize(system: str, config: BenchConfig) -> int:
 
 def _aggregates(system: str, node_aggregation: bool | None) -> bool:
     """reducerd's client reduces inside a node first (on whenever L > 1); ps-lite does not."""
-    return system == "reducerd" if node_aggregation is None else node_aggregation
+    return system in REDUCERD_SYSTEMS if node_aggregation is None else node_aggregation
 
 
 def theory_bytes_per_node(system: str, size_bytes: int, config: BenchConfig,

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from reducerd.bench.config import BenchConfig
+from reducerd.bench.config import REDUCERD_SYSTEMS, BenchConfig
 from reducerd.bench.netns import Cluster, Host, loopback_host
 from reducerd.bench.procs import Proc, ProcessSet, wait_for_log
 from reducerd.local import LISTEN_RE
@@ -21,8 +21,8 @@ from reducerd.local import LISTEN_RE
 __all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
 
 # Inside our own namespaces every port is free; on loopback we ask the kernel.
-_NETNS_PORTS = {"reducerd": 50051, "gloo-float32": 29501, "gloo-float16": 29502,
-                "mxnet-ps": 9091}
+_NETNS_PORTS = {"reducerd": 50051, "reducerd-ddp-hook": 50052, "gloo-float32": 29501,
+                "gloo-float16": 29502, "mxnet-ps": 9091}
 _READY_TIMEOUT_S = 60.0
 
 
@@ -88,20 +88,21 @@ def _local_env(rank: int, placement: Placement) -> dict[str, str]:
     return {"REDUCER_LOCAL_RANK": str(rank % per_node), "REDUCER_LOCAL_SIZE": str(per_node)}
 
 
-def _launch_reducerd(config: BenchConfig, placement: Placement, procs: ProcessSet,
-                     run_id: str) -> tuple[list[Proc], list[Proc]]:
+def _launch_reducerd(system: str, config: BenchConfig, placement: Placement,
+                     procs: ProcessSet, run_id: str) -> tuple[list[Proc], list[Proc]]:
+    """Fresh daemons for `system` (one of REDUCERD_SYSTEMS), then its workers."""
     daemons, addresses = [], []
     for i, host in enumerate(placement.daemons):
         argv = host.command([sys.executable, "-m", "reducerd",
-                             "--listen", f"{host.address}:{_port('reducerd', host)}",
+                             "--listen", f"{host.address}:{_port(system, host)}",
                              "--round-timeout", str(config.stall_timeout_s),
                              "--drain-grace", "2"])
-        daemons.append(procs.start(f"reducerd-daemon{i}", argv, {}))
+        daemons.append(procs.start(f"{system}-daemon{i}", argv, {}))
     for host, daemon in zip(placement.daemons, daemons, strict=True):
         match = wait_for_log(daemon, LISTEN_RE.pattern, _READY_TIMEOUT_S)
         addresses.append(f"{host.address}:{match.group(2)}")
     workers = _start_workers(
-        "reducerd", sys.executable, config, placement, procs,
+        system, sys.executable, config, placement, procs,
         lambda rank, host: _local_env(rank, placement), addresses=addresses,
         job=f"bench-{run_id}")
     return workers, daemons
@@ -143,8 +144,8 @@ def _launch_mxnet(config: BenchConfig, placement: Placement, procs: ProcessSet,
 def launch(system: str, config: BenchConfig, placement: Placement, procs: ProcessSet,
            run_id: str, mxnet_python: Path) -> tuple[list[Proc], list[Proc]]:
     """Start `system`; return (workers, helpers) where helpers must outlive the workers."""
-    if system == "reducerd":
-        return _launch_reducerd(config, placement, procs, run_id)
+    if system in REDUCERD_SYSTEMS:
+        return _launch_reducerd(system, config, placement, procs, run_id)
     if system.startswith("gloo-"):
         return _launch_gloo(system, config, placement, procs)
     if system == "mxnet-ps":

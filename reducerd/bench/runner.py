@@ -48,7 +48,8 @@ def _available(config: BenchConfig, mxnet_python: Path,
                skipped: dict[str, str]) -> list[str]:
     systems = []
     for system in config.systems:
-        if system.startswith("gloo-") and importlib.util.find_spec("torch") is None:
+        if ((system.startswith("gloo-") or system == "reducerd-ddp-hook")
+                and importlib.util.find_spec("torch") is None):
             skipped[system] = "torch is not installed in this environment"
         elif system == "mxnet-ps" and not mxnet_python.exists():
             skipped[system] = (f"no MXNet environment at {mxnet_python} (`make test` creates "

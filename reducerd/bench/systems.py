@@ -1,4 +1,7 @@
-"""Worker side of each system: one allreduce of a flat float32 gradient, three ways.
+"""Worker side of each system: one allreduce of a flat float32 gradient, four ways.
+
+reducerd twice: the core's allreduce(out=) and a DDP bucket through the
+PyTorch shim's comm hook (the path a DDP user takes), then Gloo and MXNet.
 
 A `Comm` hides how one system allreduces; `run_sweep` times any of them the
 same way. Frameworks are imported inside the constructors, so this module
@@ -51,18 +54,22 @@ class Comm(Protocol):
     def close(self) -> None: ...
 
 
+def _reducer_client(spec: dict[str, Any]) -> Any:
+    from reducer_client import ReducerClient
+
+    # Node-local aggregation reads REDUCER_LOCAL_RANK/SIZE, which the runner
+    # sets for every worker.
+    return ReducerClient(
+        addresses=spec["addresses"], job=spec["job"], rank=spec["rank"],
+        world_size=spec["world_size"], wire_dtype=spec["wire_dtype"],
+        timeout=spec["stall_timeout_s"], chunk_bytes=spec.get("chunk_bytes"))
+
+
 class ReducerdComm(Comm):
     """ReducerClient.allreduce of the float32 array (casts to the wire dtype inside)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        from reducer_client import ReducerClient
-
-        # Node-local aggregation (issue 10) reads REDUCER_LOCAL_RANK/SIZE,
-        # which the runner sets for every worker.
-        self.client = ReducerClient(
-            addresses=spec["addresses"], job=spec["job"], rank=spec["rank"],
-            world_size=spec["world_size"], wire_dtype=spec["wire_dtype"],
-            timeout=spec["stall_timeout_s"], chunk_bytes=spec.get("chunk_bytes"))
+        self.client = _reducer_client(spec)
         self.rank = spec["rank"]
         self._token = np.zeros(1, dtype=np.float32)
 
@@ -84,6 +91,52 @@ class ReducerdComm(Comm):
 
     def close(self) -> None:
         self.client.close()
+
+
+class _Bucket:
+    """What reducer_client.torch.allreduce_hook calls on DDP's dist.GradBucket."""
+
+    def __init__(self, index: int, buffer: Any) -> None:
+        self._index, self._buffer = index, buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+
+class DdpHookComm(ReducerdComm):
+    """A float32 DDP bucket through reducer_client.torch.allreduce_hook, as DDP calls it.
+
+    The hook averages the bucket in place (DDP's default is a mean), so each
+    rank fills it with world_size times its value: the mean is the core
+    path's sum, a small integer exact in float16 (up to 4 * 512 ranks). The
+    timed region is the hook call and the wait for its future, what DDP's
+    backward pays for the bucket; refill() restores the bucket outside it.
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import reducer_client.torch as rt
+        import torch
+
+        super().__init__(spec)
+        self.torch, self.hook = torch, rt.allreduce_hook
+        self.world_size = spec["world_size"]
+
+    def prepare(self, numel: int) -> None:
+        self.src = self.torch.full((numel,), float(rank_value(self.rank) * self.world_size),
+                                   dtype=self.torch.float32)
+        self.bucket = _Bucket(0, self.src.clone())
+
+    def refill(self) -> None:
+        self.bucket.buffer().copy_(self.src)
+
+    def run(self) -> None:
+        self.hook(self.client, self.bucket).wait()
+
+    def result(self) -> np.ndarray:
+        return self.bucket.buffer().numpy()
 
 
 class GlooComm(Comm):
@@ -179,6 +232,8 @@ def make_comm(spec: dict[str, Any]) -> Comm:
     system = spec["system"]
     if system == "reducerd":
         return ReducerdComm(spec)
+    if system == "reducerd-ddp-hook":
+        return DdpHookComm(spec)
     if system in ("gloo-float32", "gloo-float16"):
         return GlooComm(spec, system.removeprefix("gloo-"))
     if system == "mxnet-ps":

@@ -77,9 +77,13 @@ def test_workers_and_daemons_are_required(capsys):
 def test_defaults():
     config = config_from_argv(BASE)
     assert config.sizes_bytes[0] == 1024 and config.sizes_bytes[-1] == 256 << 20
-    assert config.systems == ("reducerd", "gloo-float32", "gloo-float16", "mxnet-ps")
+    assert config.systems == ("reducerd", "reducerd-ddp-hook", "gloo-float32",
+                              "gloo-float16", "mxnet-ps")
     assert config.wire_dtype == "float16" and config.busbw_factor == pytest.approx(1.5)
-    assert config_from_argv(BASE + ["--baselines", "none"]).systems == ("reducerd",)
+    assert config_from_argv(BASE + ["--baselines", "none"]).systems == (
+        "reducerd", "reducerd-ddp-hook")
+    assert config_from_argv(BASE + ["--baselines", "none", "--no-ddp-hook"]).systems == (
+        "reducerd",)
 
 
 def test_help_does_not_import_frameworks():
@@ -95,10 +99,24 @@ def test_help_does_not_import_frameworks():
 
 def test_missing_mxnet_environment_is_skipped_with_a_reason(tmp_path):
     skipped: dict[str, str] = {}
-    config = config_from_argv(BASE + ["--baselines", "mxnet"])
+    config = config_from_argv(BASE + ["--baselines", "mxnet", "--no-ddp-hook"])
     systems = _available(config, tmp_path / "no-such-python", skipped)
     assert systems == ["reducerd"]
     assert "no MXNet environment" in skipped["mxnet-ps"]
+
+
+def test_without_torch_the_hook_and_gloo_are_skipped_with_a_reason(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    skipped: dict[str, str] = {}
+    systems = _available(config_from_argv(BASE + ["--baselines", "gloo"]),
+                         tmp_path / "no-such-python", skipped)
+    assert systems == ["reducerd"]
+    assert set(skipped) == {"reducerd-ddp-hook", "gloo-float32", "gloo-float16"}
+    assert all("torch is not installed" in reason for reason in skipped.values())
 
 
 def _config(**changes) -> BenchConfig:
@@ -109,6 +127,10 @@ def test_theory_bytes():
     config = _config(emulate_cluster="200mbit", rate_bytes_per_s=25e6)
     model_fp16 = 8 << 20
     assert theory_bytes_per_node("reducerd", 16 << 20, config) == model_fp16
+    # The DDP hook's path moves exactly what the core's does.
+    assert theory_bytes_per_node("reducerd-ddp-hook", 16 << 20, config) == model_fp16
+    assert line_rate_bound_s("reducerd-ddp-hook", 16 << 20, config) == \
+        line_rate_bound_s("reducerd", 16 << 20, config)
     assert theory_bytes_per_node("gloo-float32", 16 << 20, config) == 1.5 * (16 << 20)
     assert theory_bytes_per_node("gloo-float16", 16 << 20, config) == 1.5 * model_fp16
     # D = N/2: each daemon link carries two models, which bounds the time.

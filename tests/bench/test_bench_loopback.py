@@ -31,7 +31,8 @@ def test_loopback_sweep_every_system(tmp_path: Path):
     assert done.returncode == 0, done.stderr + done.stdout
     data = json.loads(out.read_text())
     systems = ["reducerd"]
-    systems += ["gloo-float32", "gloo-float16"] if HAS_TORCH else []
+    # The shim's path (a DDP bucket through the hook), beside the core's.
+    systems += ["reducerd-ddp-hook", "gloo-float32", "gloo-float16"] if HAS_TORCH else []
     systems += ["mxnet-ps"] if HAS_MXNET_ENV else []
     check_results(data, systems, SIZES)
     config = data["config"]
@@ -54,7 +55,7 @@ def test_failing_system_is_reported_and_the_rest_still_runs(tmp_path: Path):
     out = tmp_path / "bench.json"
     done = run_bench("--workers", "2", "--daemons", "1", "--sizes", "4K", "--iters", "1",
                      "--warmup", "0", "--baselines", "mxnet", "--mxnet-python", str(fake),
-                     "--json", str(out), "--stall-timeout", "30")
+                     "--json", str(out), "--stall-timeout", "30", "--no-ddp-hook")
     assert done.returncode == 1, done.stderr
     assert "mxnet-ps failed" in done.stderr
     data = json.loads(out.read_text())
