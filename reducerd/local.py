@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,13 +50,18 @@ class DaemonProcess:
 
 
 def start_daemon(*args: str, log_dir: Path | None = None, port: int = 0,
-                 env: dict[str, str] | None = None, timeout: float = 20.0) -> DaemonProcess:
-    """Start `python -m reducerd --listen 127.0.0.1:PORT ARGS` and wait until it listens."""
+                 env: dict[str, str] | None = None, timeout: float = 20.0,
+                 entry: Sequence[str] = ("-m", "reducerd")) -> DaemonProcess:
+    """Start `python -m reducerd --listen 127.0.0.1:PORT ARGS` and wait until it listens.
+
+    `entry`: the interpreter arguments before the daemon's own (tests start
+    ("-c", code) that changes the daemon, then runs reducerd.__main__.main()).
+    """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="reducerd-test-"))
     log_path = log_dir / f"reducerd-{time.monotonic_ns()}.log"
     log_file = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "reducerd", "--listen", f"127.0.0.1:{port}", *args],
+        [sys.executable, *entry, "--listen", f"127.0.0.1:{port}", *args],
         stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     log_file.close()
     deadline = time.monotonic() + timeout

@@ -3,13 +3,12 @@
 A completed chunk's reply is one buffer: the data plane's 5-byte frame header,
 then the Shard message (header fields, then the data field, whose bytes the
 float32 accumulator is narrowed into by reducer_wire.convert.to_wire(out=)).
-The data plane sends the whole buffer, gRPC the message part; every stream
-of the chunk, and a resend answered from the result cache, gets the same
-bytes. The message is byte-identical to the generated protobuf's
-serialization (tests/unit/test_session.py checks it).
-
-reducer_wire.codec has no encoding into a caller's buffer yet, so the header
-fields are written here with its _put_fields and _put_varint.
+The data plane sends the whole buffer; gRPC, whose API takes bytes only,
+gets one bytes copy of the message part per delivery, shared by its streams.
+Every stream of the chunk, and a resend answered from the result cache, gets
+the same bytes. The message is byte-identical to the generated protobuf's
+serialization (reducer_wire.codec.ShardEncoder lays it out; tests/unit/
+test_session.py checks it).
 """
 
 from __future__ import annotations
@@ -18,12 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from reducer_wire import convert, dtypes
-from reducer_wire.codec import _put_fields, _put_varint, encode_shard
+from reducer_wire.codec import ShardEncoder
 from reducer_wire.framing import FRAME_HEADER_BYTES, SHARD, frame_header
 
 __all__ = ["Reply", "result_reply", "error_reply"]
 
-_DATA_TAG = 9 << 3 | 2  # field 9 (data), length-delimited
 # The payload starts on a cache line, so the narrowing's stores never split one.
 _PAYLOAD_ALIGN = 64
 
@@ -50,29 +48,26 @@ class Reply:
 def result_reply(*, job: str, key: str, round: int, offset: int, dtype: int, op: int,
                  world_size: int, acc: np.ndarray) -> Reply:
     """The reply carrying `acc` (float32) rounded once to `dtype`, written in place."""
-    nbytes = acc.size * dtypes.wire_itemsize(dtype)
-    head = bytearray()
-    _put_fields(head, ((1, job), (3, world_size), (4, round), (5, key), (6, offset),
-                       (7, dtype), (8, op)))
-    _put_varint(head, _DATA_TAG)
-    _put_varint(head, nbytes)
-    lead = FRAME_HEADER_BYTES + len(head)
-    block = np.empty(_PAYLOAD_ALIGN - 1 + lead + nbytes, dtype=np.uint8)
+    nbytes = dtypes.wire_nbytes(dtype, acc.size)
+    encoder = ShardEncoder(job=job, key=key, round=round, offset=offset, dtype=dtype, op=op,
+                           world_size=world_size, data_nbytes=nbytes)
+    lead = FRAME_HEADER_BYTES + encoder.nbytes - nbytes  # a result has no field after data
+    block = np.empty(_PAYLOAD_ALIGN - 1 + FRAME_HEADER_BYTES + encoder.nbytes, dtype=np.uint8)
     start = -(block.ctypes.data + lead) % _PAYLOAD_ALIGN
-    frame = block[start:start + lead + nbytes]
-    frame[:FRAME_HEADER_BYTES] = np.frombuffer(frame_header(SHARD, len(head) + nbytes),
-                                               np.uint8)
-    frame[FRAME_HEADER_BYTES:lead] = np.frombuffer(head, np.uint8)
-    payload = frame[lead:]
+    frame = block[start:start + FRAME_HEADER_BYTES + encoder.nbytes].data
+    frame[:FRAME_HEADER_BYTES] = frame_header(SHARD, encoder.nbytes)
+    payload = encoder.write_into(frame[FRAME_HEADER_BYTES:])
     convert.to_wire(acc, dtype, out=payload)
-    return Reply(frame.data, payload.data, block.nbytes)
+    return Reply(frame, payload, block.nbytes)
 
 
 def error_reply(*, job: str, key: str, round: int, offset: int, dtype: int, op: int,
                 world_size: int, error_code: int, error_message: str) -> Reply:
     """An in-band failure of one chunk (no data)."""
-    message = encode_shard(job=job, key=key, round=round, offset=offset, dtype=dtype, op=op,
+    encoder = ShardEncoder(job=job, key=key, round=round, offset=offset, dtype=dtype, op=op,
                            world_size=world_size, error_code=error_code,
                            error_message=error_message)
-    frame = memoryview(frame_header(SHARD, len(message)) + message)
-    return Reply(frame, frame[len(frame):], len(frame))
+    frame = memoryview(bytearray(FRAME_HEADER_BYTES + encoder.nbytes))
+    frame[:FRAME_HEADER_BYTES] = frame_header(SHARD, encoder.nbytes)
+    payload = encoder.write_into(frame[FRAME_HEADER_BYTES:])
+    return Reply(frame, payload, len(frame))

@@ -35,6 +35,8 @@ __all__ = ["END", "MAX_OFFSET", "DecodeFault", "Observer", "Session", "Stream", 
 log = logging.getLogger("reducerd")
 
 MAX_OFFSET = 1 << 63
+# The wire dtypes both sides route (reducer_wire.dtypes.WIRE_DTYPES, the one list).
+_ROUTED_DTYPES = frozenset(dtypes.WIRE_DTYPES.values())
 END = object()  # in an outbox: end the stream with OK
 
 
@@ -116,7 +118,7 @@ def check_shard(shard: ShardView) -> str:
         return "job is empty"
     if not shard.key:
         return "key is empty"
-    if shard.dtype not in dtypes.DTYPE_NAMES:
+    if shard.dtype not in _ROUTED_DTYPES:
         return f"dtype {shard.dtype} is unspecified or unknown"
     if shard.op not in dtypes.OP_NAMES:
         return f"op {shard.op} is unknown"
@@ -124,13 +126,13 @@ def check_shard(shard: ShardView) -> str:
         return "world_size is 0"
     if shard.rank >= shard.world_size:
         return f"rank {shard.rank} is not below world_size {shard.world_size}"
-    itemsize = dtypes.wire_itemsize(shard.dtype)
     if not shard.data:
         return "data is empty"
-    if len(shard.data) % itemsize:
+    numel = dtypes.wire_numel(shard.dtype, len(shard.data))
+    if numel is None:
         return (f"data has {len(shard.data)} bytes, not a whole number of "
-                f"{itemsize}-byte elements")
-    if shard.offset + len(shard.data) // itemsize > MAX_OFFSET:
+                f"{dtypes.DTYPE_NAMES[shard.dtype]} elements")
+    if shard.offset + numel > MAX_OFFSET:
         return "offset + elements passes 2^63"
     return ""
 

@@ -79,3 +79,36 @@ def outlive_daemon_worker(rank: int, world_size: int, addresses: list[str],
             return {"error": None}
         except ReducerError as exc:
             return {"error": (exc.code.name, str(exc)), "elapsed": time.monotonic() - start}
+
+
+# `python -c FAULTY_DAEMON FAULT reducerd-args...`: a daemon whose own code
+# raises for job "boom" in one place, FAULT: "shard_in" or "delivered" (the
+# metrics observer) or "contribute" (the reduction table); other jobs work.
+FAULTY_DAEMON = """
+import sys
+from reducerd import metrics, reduction
+from reducerd.__main__ import main
+
+FAULT = sys.argv.pop(1)
+
+
+def raising_for_boom(original, job_of):
+    def method(self, *args):
+        if job_of(*args) == "boom":
+            raise RuntimeError(f"injected fault in {FAULT}")
+        return original(self, *args)
+    return method
+
+
+if FAULT == "shard_in":
+    metrics.Metrics.shard_in = raising_for_boom(metrics.Metrics.shard_in, lambda job, *_: job)
+elif FAULT == "delivered":
+    metrics.Metrics.delivered = raising_for_boom(metrics.Metrics.delivered,
+                                                 lambda d: d.chunk.job)
+elif FAULT == "contribute":
+    reduction.ReductionTable.contribute = raising_for_boom(
+        reduction.ReductionTable.contribute, lambda chunk, *_: chunk.job)
+else:
+    raise SystemExit(f"unknown fault {FAULT!r}")
+sys.exit(main(sys.argv[1:]))
+"""

@@ -1,15 +1,21 @@
-"""Faults with real processes: killed workers, killed and restarted daemons."""
+"""Faults with real processes: killed workers and daemons, restarts, the daemon's own bugs."""
 
 import signal
+import socket
+import struct
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
-from fault_cases import outlive_daemon_worker, suicidal_worker, training_worker
+import pytest
+from fault_cases import FAULTY_DAEMON, outlive_daemon_worker, suicidal_worker, training_worker
+from reducer_client import ReducerClient
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire.codes import status_code_from_value
+from reducer_wire.framing import HELLO, MAGIC, SHARD, STATUS, frame_header
 from support import run_workers, start_daemon
 
 
@@ -116,3 +122,71 @@ def test_daemon_that_never_comes_back(tmp_path):
         code, message = result["error"]
         assert code == "UNAVAILABLE" and "127.0.0.1:" in message
         assert result["elapsed"] < 3 + 1.5
+
+
+def _boom_shard() -> bytes:
+    return pb.Shard(job="boom", key="k", rank=0, world_size=1, dtype=pb.DTYPE_FLOAT16,
+                    op=pb.REDUCE_OP_SUM, data=b"\0\x3c" * 4).SerializeToString()
+
+
+def _reduce_over_grpc(address: str, message: bytes) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream("/reducer.v1.Reducer/Reduce")(iter([message]), timeout=20)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details()
+        return call.code(), call.details()
+
+
+def _reduce_over_the_data_plane(address: str, message: bytes) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(address) as channel:
+        port = pb_grpc.ReducerStub(channel).GetStatus(pb.StatusRequest(brief=True),
+                                                      timeout=5).data_port
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(MAGIC + frame_header(HELLO, 0) + frame_header(SHARD, len(message))
+                     + message)
+        sock.shutdown(socket.SHUT_WR)
+        received = bytearray()
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    view = memoryview(received)
+    while len(view) >= 5:
+        kind, length = struct.unpack_from("<BI", view)
+        if kind == STATUS:
+            (value,) = struct.unpack_from("<I", view, 5)
+            return status_code_from_value(value), bytes(view[9:5 + length]).decode()
+        view = view[5 + length:]
+    raise AssertionError(f"no STATUS frame in {bytes(received)!r}")
+
+
+@pytest.mark.parametrize("fault", ["shard_in", "contribute", "delivered"])
+def test_a_fault_of_the_daemon_is_internal_and_logged_on_both_transports(tmp_path, fault):
+    """The daemon's own code raises (metrics on a shard or a delivery, the
+    reduction table): the stream ends with INTERNAL saying it is the daemon's
+    fault (not INVALID_ARGUMENT blaming the client), over gRPC and the data
+    plane alike; the log has an ERROR line with the traceback; the daemon
+    still serves a good job exactly."""
+    start = time.monotonic()
+    daemon = start_daemon("--metrics-listen", "127.0.0.1:0", "--round-timeout", "5",
+                          log_dir=tmp_path, entry=("-c", FAULTY_DAEMON, fault))
+    try:
+        for transport in (_reduce_over_grpc, _reduce_over_the_data_plane):
+            code, details = transport(daemon.address, _boom_shard())
+            assert code == grpc.StatusCode.INTERNAL, (transport.__name__, code, details)
+            assert "fault of the daemon, not of this client" in details
+            assert f"injected fault in {fault}" in details
+        with ReducerClient([daemon.address], job="ok", rank=0, world_size=1,
+                           timeout=10) as client:
+            x = np.arange(1000, dtype=np.float32)
+            assert np.array_equal(client.allreduce(x, key="w"), x)
+        log = daemon.log()
+        errors = [line for line in log.splitlines() if "reducerd fault while" in line]
+        assert len(errors) >= 2 and all("ERROR" in line for line in errors), log
+        assert log.count(f"RuntimeError: injected fault in {fault}") >= 2
+        assert "Traceback (most recent call last)" in log
+        assert "cannot read the stream" not in log
+    finally:
+        daemon.stop()
+    assert time.monotonic() - start < 60
