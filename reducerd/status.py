@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire.tls import channel_credentials
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -71,10 +72,9 @@ class _Client:
         if args.token_file:
             token = Path(args.token_file).read_text().strip()
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        if args.tls_ca or args.tls_cert:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(args.tls_ca), private_key=_read(args.tls_key),
-                certificate_chain=_read(args.tls_cert))
+        if args.tls_ca or args.tls_cert or args.tls_key:
+            credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key,
+                                              option="--tls-ca/--tls-cert/--tls-key")
             self.channel = grpc.secure_channel(self.address, credentials)
         else:
             self.channel = grpc.insecure_channel(self.address)
@@ -163,11 +163,12 @@ def _console() -> Console:
 
 def _open(prog: str, argv: list[str] | None, live: bool,
           ) -> tuple[argparse.Namespace, _Client] | None:
-    """Parse the command line and connect; None (after saying why) if a file is unreadable."""
+    """Parse the command line and connect; None (after saying why) if a file is
+    unreadable or the TLS files do not go together."""
     args = _parser(prog, live=live).parse_args(argv)
     try:
         return args, _Client(args)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
 
@@ -220,10 +221,6 @@ def top_main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     return 0
-
-
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
 
 
 def _bytes(n: float) -> str:

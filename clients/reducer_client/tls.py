@@ -1,11 +1,14 @@
-"""TLS options of the client: server verification and, for mutual TLS, our certificate."""
+"""TLS options of the client: server verification and, for mutual TLS, our certificate.
+
+The credentials come from reducer_wire.tls, the helper `reducerd status` uses too.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
+from reducer_wire import tls as wire_tls
 
 __all__ = ["TLSConfig", "channel_credentials"]
 
@@ -26,18 +29,8 @@ class TLSConfig:
     server_name: str | None = None
 
     def __post_init__(self) -> None:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("tls: give cert_file and key_file together (mutual TLS)")
-        for name in ("ca_file", "cert_file", "key_file"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                raise ValueError(f"tls: {name} {path!r} does not exist")
+        wire_tls.check_tls_files(self.ca_file, self.cert_file, self.key_file)
 
 
 def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
-    def read(path: str | None) -> bytes | None:
-        return Path(path).read_bytes() if path else None
-
-    return grpc.ssl_channel_credentials(root_certificates=read(tls.ca_file),
-                                        private_key=read(tls.key_file),
-                                        certificate_chain=read(tls.cert_file))
+    return wire_tls.channel_credentials(tls.ca_file, tls.cert_file, tls.key_file)

@@ -7,6 +7,7 @@ one signed by a stranger CA.
 
 import datetime
 import ipaddress
+import json
 
 import grpc
 import numpy as np
@@ -117,3 +118,31 @@ def test_tls_settings_from_env(pki):
                                   "REDUCER_WORLD_SIZE": "1", "REDUCER_TLS_CA": pki["ca"],
                                   "REDUCER_TLS_CERT": cert, "REDUCER_TLS_KEY": key})
     assert settings["tls"] == TLSConfig(ca_file=pki["ca"], cert_file=cert, key_file=key)
+
+
+def test_status_over_tls_and_mutual_tls_uses_the_shared_helper(tmp_path, pki, capsys):
+    """`reducerd status` builds its channel with reducer_wire.tls, as the client
+    does: it reads a TLS daemon, presents a client certificate under mutual
+    TLS, and refuses a certificate without its key before connecting."""
+    from reducerd import status
+
+    key, cert = pki["server"]
+    client_key, client_cert = pki["client"]
+    d = start_daemon("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                     log_dir=tmp_path)
+    try:
+        base = ["--address", d.address, "--json", "--sample", "0", "--timeout", "5"]
+        assert status.main([*base, "--tls-ca", pki["ca"], "--tls-cert", client_cert,
+                            "--tls-key", client_key]) == 0
+        assert json.loads(capsys.readouterr().out)["address"] == d.address
+        assert status.main([*base, "--tls-ca", pki["ca"]]) == 1  # no client certificate
+        assert "UNAVAILABLE" in capsys.readouterr().err
+        assert status.main([*base, "--tls-ca", pki["ca"], "--tls-cert", client_cert]) == 2
+        err = capsys.readouterr().err
+        assert "--tls-cert" in err and "together" in err
+    finally:
+        d.stop()
+    with pytest.raises(ValueError, match="together"):
+        TLSConfig(ca_file=pki["ca"], cert_file=client_cert)
+    with pytest.raises(ValueError, match="does not exist"):
+        TLSConfig(ca_file=str(tmp_path / "missing.pem"))
