@@ -138,3 +138,26 @@ def test_empty_credential_is_refused(tmp_path):
                    environ={"CREDENTIALS_DIRECTORY": str(tmp_path)})
     with pytest.raises(ConfigError, match="auth_token_credential: .* is empty"):
         config.auth_token()
+
+
+def test_listen_defaults_to_loopback_port_7070(tmp_path):
+    """`reducerd` alone runs (contract section 3): --listen defaults to
+    127.0.0.1:7070, shown by --print-config; a real start binds what it is given."""
+    from support import start_daemon
+
+    from reducerd.config import DEFAULT_LISTEN
+
+    assert Config().listen == DEFAULT_LISTEN == "127.0.0.1:7070"
+    config = parse()
+    assert config.listen_address == "127.0.0.1:7070"
+    assert config.data_address == ("127.0.0.1", 0)  # the data plane beside it, any port
+    assert parse("--port-offset", "2").listen_address == "127.0.0.1:7072"
+    result = subprocess.run([sys.executable, "-m", "reducerd", "--print-config"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert tomllib.loads(result.stdout)["listen"] == "127.0.0.1:7070"
+    daemon = start_daemon(log_dir=tmp_path)  # --listen 127.0.0.1:0
+    try:
+        assert daemon.address.startswith("127.0.0.1:") and not daemon.address.endswith(":0")
+    finally:
+        assert daemon.stop() == 0
