@@ -1,17 +1,18 @@
 """Summing contributions into a chunk's float32 accumulator.
 
-Numerics: the accumulator is float32 whatever the wire dtype; float16 and
-bfloat16 widen exactly, so the only rounding is float32 addition's (and the
-one narrowing of the result, reducer_wire.convert.to_wire).
+Numerics: the accumulator is float32 whatever the wire dtype; float16,
+bfloat16 and the 8-bit wires (reducer_wire.quant) widen exactly, so the only
+rounding is float32 addition's (and the one narrowing of the result,
+reducer_wire.convert.to_wire).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from reducer_wire import convert
+from reducer_wire import convert, quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.convert import from_wire
-from reducer_wire.dtypes import wire_numpy_dtype
+from reducer_wire.dtypes import QUANTIZED_DTYPES, wire_numpy_dtype
 
 __all__ = ["copy_wire_into", "add_wire_into", "WideningBuffer"]
 
@@ -45,6 +46,9 @@ def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
     widened into `scratch` (a reusable float32 buffer of at least acc.size
     elements) when given, else into a temporary, then added.
     """
+    if dtype in QUANTIZED_DTYPES:  # decoded exactly and added, no temporary in C
+        quant.add(acc, data, dtype, convert.accelerated())
+        return
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
     fast = convert.kernels()
     if (fast is not None and dtype != pb.DTYPE_FLOAT32 and acc.dtype == np.float32

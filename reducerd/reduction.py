@@ -62,7 +62,11 @@ class Contribution:
 
     @property
     def numel(self) -> int:
-        return len(self.data) // dtypes.wire_itemsize(self.dtype)
+        numel = dtypes.wire_numel(self.dtype, len(self.data))  # int8 carries its scales
+        if numel is None:
+            raise ValueError(f"{len(self.data)} bytes are not whole {self.dtype} elements "
+                             "(session.check_shard admits no such shard)")
+        return numel
 
 
 @dataclass(frozen=True)

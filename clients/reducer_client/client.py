@@ -29,7 +29,7 @@ from reducer_client.layout import (
     Chunk,
     layout_fingerprint,
     pipelined_chunk_bytes,
-    plan_chunks,
+    plan_wire_chunks,
 )
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
@@ -68,7 +68,7 @@ class _Operation:
                 self.fail(error)
                 return
             assert reply is not None
-            expected = chunk.numel * dtypes.wire_itemsize(self.dtype)
+            expected = dtypes.wire_nbytes(self.dtype, chunk.numel)
             if len(reply.data) != expected:
                 self.fail(ReducerError(grpc.StatusCode.INTERNAL,
                                        f"key {self.key!r} round {self.round} offset "
@@ -315,8 +315,8 @@ class ReducerClient:
         if not contributes:
             flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
         result = np.empty(array.shape, dtype=array.dtype) if out is None else out
-        chunks = plan_chunks(flat.size, dtypes.wire_itemsize(dtype), len(self._links),
-                             self._chunk_bytes_for(flat.size, dtype), key)
+        chunks = plan_wire_chunks(flat.size, dtype, len(self._links),
+                                  self._chunk_bytes_for(flat.size, dtype), key)
         return self._send_chunks(flat, 0, result.reshape(-1), result, key,
                                  round_, dtype, op, chunks, self.rank,
                                  self.world_size).future
@@ -329,8 +329,8 @@ class ReducerClient:
         reduced slice lands in out[start:start + values.size].
         """
         assert self._node is not None
-        chunks = [Chunk(start + c.offset, c.numel, c.daemon) for c in plan_chunks(
-            values.size, dtypes.wire_itemsize(dtype), len(self._links),
+        chunks = [Chunk(start + c.offset, c.numel, c.daemon) for c in plan_wire_chunks(
+            values.size, dtype, len(self._links),
             self._chunk_bytes_for(values.size, dtype),
             f"{key}#{start}")]
         topology = self._node.topology
@@ -340,7 +340,7 @@ class ReducerClient:
     def _chunk_bytes_for(self, numel: int, dtype: int) -> int:
         if not self._pipelined:
             return self.chunk_bytes
-        return pipelined_chunk_bytes(numel * dtypes.wire_itemsize(dtype), len(self._links),
+        return pipelined_chunk_bytes(dtypes.wire_nbytes(dtype, numel), len(self._links),
                                      self.chunk_bytes)
 
     def _send_chunks(self, values: np.ndarray, base: int, out: np.ndarray,

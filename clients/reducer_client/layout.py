@@ -1,7 +1,8 @@
 """Chunk layout: how a flat tensor is cut into chunks and spread over daemons.
 
-The layout depends only on the element count, the wire item size, the chunk
-size and the number of daemons, plus the key (which daemon gets the first
+The layout depends only on the element count, the wire bytes per block (an
+element, or int8's block of elements with its scale), the chunk size and the
+number of daemons, plus the key (which daemon gets the first
 chunk), so every worker computes the same layout without talking. Every
 element belongs to exactly one chunk and every chunk to exactly one daemon.
 """
@@ -12,8 +13,10 @@ import hashlib
 import zlib
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "plan_chunks", "layout_fingerprint", "pipelined_chunk_bytes",
-           "DEFAULT_CHUNK_BYTES"]
+from reducer_wire import dtypes
+
+__all__ = ["Chunk", "plan_chunks", "plan_wire_chunks", "layout_fingerprint",
+           "pipelined_chunk_bytes", "DEFAULT_CHUNK_BYTES"]
 
 # Wire bytes per chunk at most, by default: well under gRPC's 4 MiB message
 # limit; on loopback 512 KiB to 3.5 MiB chunks gave the same daemon CPU per
@@ -39,38 +42,53 @@ class Chunk:
 
 
 def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
-                key: str = "") -> list[Chunk]:
+                key: str = "", block: int = 1) -> list[Chunk]:
     """Cut `numel` elements into balanced chunks spread round-robin over daemons.
 
-    The chunk count is the smallest multiple of `num_daemons` whose chunks fit
-    in `chunk_bytes` (fewer when there are fewer elements than daemons), and
-    chunk sizes differ by at most one element, so each daemon gets the same
-    number of bytes to within one element per chunk. Round-robin starts at a
-    daemon picked from a CRC of the key, so many small keys do not all land
-    on daemon 0.
+    Chunks hold whole blocks of `block` elements (reducer_wire.dtypes.wire_block:
+    128 for int8, whose scales are per block; 1 otherwise), only the last may
+    end in a partial one; `itemsize` is the wire bytes of one whole block
+    (dtypes.wire_nbytes(dtype, block)). The chunk count is the smallest
+    multiple of `num_daemons` whose chunks fit in `chunk_bytes` (fewer when
+    there are fewer blocks than daemons), and chunk sizes differ by at most
+    one block, so each daemon gets the same number of bytes to within one
+    block per chunk. Round-robin starts at a daemon picked from a CRC of the
+    key, so many small keys do not all land on daemon 0.
     """
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if num_daemons < 1:
         raise ValueError("need at least one daemon")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
     if itemsize < 1 or chunk_bytes < itemsize:
-        raise ValueError(f"chunk_bytes ({chunk_bytes}) must hold at least one element "
-                         f"of {itemsize} bytes")
+        raise ValueError(f"chunk_bytes ({chunk_bytes}) must hold at least one "
+                         + (f"element of {itemsize} bytes" if block == 1 else
+                            f"block of {block} elements ({itemsize} bytes)"))
     if numel == 0:
         return []
-    max_chunk_numel = chunk_bytes // itemsize
-    count = -(-numel // max_chunk_numel)  # ceil
+    blocks = -(-numel // block)
+    max_chunk_blocks = chunk_bytes // itemsize
+    count = -(-blocks // max_chunk_blocks)  # ceil
     count = -(-count // num_daemons) * num_daemons  # round up to a multiple of D
-    count = min(count, numel)
-    base, extra = divmod(numel, count)
+    count = min(count, blocks)
+    base, extra = divmod(blocks, count)
     first_daemon = zlib.crc32(key.encode()) % num_daemons
     chunks = []
     offset = 0
     for i in range(count):
-        size = base + (1 if i < extra else 0)
+        size = min((base + (1 if i < extra else 0)) * block, numel - offset)
         chunks.append(Chunk(offset, size, (first_daemon + i) % num_daemons))
         offset += size
     return chunks
+
+
+def plan_wire_chunks(numel: int, dtype: int, num_daemons: int, chunk_bytes: int,
+                     key: str = "") -> list[Chunk]:
+    """plan_chunks for wire dtype `dtype`: whole blocks of dtypes.wire_block(dtype)."""
+    block = dtypes.wire_block(dtype)
+    return plan_chunks(numel, dtypes.wire_nbytes(dtype, block), num_daemons, chunk_bytes,
+                       key, block)
 
 
 def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,

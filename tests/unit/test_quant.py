@@ -471,3 +471,69 @@ def test_c_quant_kernels_are_built_and_current_where_a_compiler_is():
     source = Path(quant.__file__).with_name("_quant.c")
     assert built.stat().st_mtime >= source.stat().st_mtime, (
         f"{built.name} is older than _quant.c: run `make build`")
+
+
+# -- the daemon's table and shard checks, the client's layout, on the 8-bit wires -------
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("op", [pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN])
+def test_daemon_table_reduces_8bit_contributions_as_the_kernels_do(name, op):
+    """reducerd.reduction decodes, adds in float32, divides (MEAN) and encodes
+    once: the same bytes as the kernels' reduction above."""
+    from reducer_wire import convert
+
+    from reducerd.reduction import ChunkId, Contribution, ReductionTable
+
+    dtype = dtypes.WIRE_DTYPES[name]
+    numel, world = 3 * B + 5, 5
+    rng = np.random.default_rng(world)
+    inputs = [f32(rng.standard_normal(numel) * 20) for _ in range(world)]
+    wires = [convert.to_wire(x, dtype).tobytes() for x in inputs]
+    table, cid = ReductionTable(60, 1 << 30), ChunkId("job", "k", 0, 0)
+    deliveries = []
+    for rank, data in enumerate(wires):
+        deliveries += table.contribute(cid, Contribution(rank, world, dtype, op, data), rank)
+    (done,) = deliveries
+    acc = np.empty(numel, np.float32)
+    convert.from_wire(wires[0], dtype, acc)
+    for data in wires[1:]:
+        quant.add(acc, data, dtype)
+    if op == pb.REDUCE_OP_MEAN:
+        acc /= np.float32(world)
+    assert bytes(done.data) == convert.to_wire(acc, dtype).tobytes()
+    assert len(done.data) == dtypes.wire_nbytes(dtype, numel)
+
+
+def test_daemon_refuses_int8_lengths_no_chunk_has():
+    from reducer_wire.codec import ShardView
+
+    from reducerd.session import check_shard
+
+    def shard(nbytes, dtype=pb.DTYPE_INT8_BLOCK128):
+        return ShardView(job="j", key="k", world_size=2, dtype=dtype,
+                         data=memoryview(bytes(nbytes)))
+
+    assert check_shard(shard(B + 4)) == "" and check_shard(shard(5)) == ""
+    assert "not a whole number of int8 elements" in check_shard(shard(B + 6))
+    assert "not a whole number" in check_shard(shard(3))
+    assert check_shard(shard(7, pb.DTYPE_FP8_E4M3)) == ""
+
+
+@pytest.mark.parametrize("numel", [1, B - 1, B + 1, 1000 * B + 77])
+@pytest.mark.parametrize("daemons", [1, 3])
+def test_client_chunks_hold_whole_blocks(numel, daemons):
+    from reducer_client.layout import plan_wire_chunks
+
+    dtype = pb.DTYPE_INT8_BLOCK128
+    chunk_bytes = 64 << 10
+    chunks = plan_wire_chunks(numel, dtype, daemons, chunk_bytes, key="grad")
+    assert sum(c.numel for c in chunks) == numel
+    assert [c.offset for c in chunks] == [sum(c.numel for c in chunks[:i])
+                                          for i in range(len(chunks))]
+    assert all(c.offset % B == 0 for c in chunks)  # blocks line up with the key's
+    assert all(c.numel % B == 0 for c in chunks[:-1])
+    assert all(dtypes.wire_nbytes(dtype, c.numel) <= chunk_bytes for c in chunks)
+    sizes = [-(-c.numel // B) for c in chunks]
+    assert max(sizes) - min(sizes) <= 1  # balanced to within one block
+    fp8 = plan_wire_chunks(numel, pb.DTYPE_FP8_E4M3, daemons, chunk_bytes, key="grad")
+    assert sum(c.numel for c in fp8) == numel and all(c.numel <= chunk_bytes for c in fp8)

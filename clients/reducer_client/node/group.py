@@ -292,7 +292,8 @@ class NodeGroup:
     def _reduce_slice(self, node_op: _NodeOp) -> None:
         """Sum our slice of the L rows in float32 and send it to the daemons."""
         topo = self.topology
-        start, stop = node_slice(node_op.numel, dtypes.wire_itemsize(node_op.dtype),
+        wire_bytes = dtypes.wire_nbytes(node_op.dtype, node_op.numel)  # int8: scales too
+        start, stop = node_slice(node_op.numel, max(1, wire_bytes // max(node_op.numel, 1)),
                                  topo.local_size, topo.local_rank)
         if start == stop:
             self._send(["done", node_op.key, node_op.round])

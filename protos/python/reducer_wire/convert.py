@@ -25,8 +25,9 @@ from types import ModuleType
 
 import numpy as np
 
+from reducer_wire import quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.dtypes import wire_numpy_dtype
+from reducer_wire.dtypes import QUANTIZED_DTYPES, wire_nbytes, wire_numpy_dtype
 
 __all__ = [
     "to_wire",
@@ -167,24 +168,27 @@ def to_wire(values: np.ndarray, dtype: int,
     """Convert a flat float array to its wire representation.
 
     Without `out`, into a new array. With `out`, a writable buffer of exactly
-    values.size * wire itemsize bytes (a message's payload, say), the elements
+    wire_nbytes(dtype, values.size) bytes (a message's payload, say), the elements
     are written there and the returned array is a view of it: no allocation.
     The result is flat; its dtype is the wire's storage dtype (uint16 for
-    bfloat16).
+    bfloat16, bytes for the 8-bit wires of reducer_wire.quant).
     """
     storage = wire_numpy_dtype(dtype)
     flat = np.ascontiguousarray(values).reshape(-1)
+    nbytes = wire_nbytes(dtype, flat.size)  # scales included (the 8-bit wires)
     if out is None:
-        target = np.empty(flat.size, dtype=storage)
+        target = np.empty(nbytes // storage.itemsize, dtype=storage)
     else:
         target = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) \
             else out.reshape(-1).view(np.uint8)
-        if target.nbytes != flat.size * storage.itemsize or not target.flags.writeable:
+        if target.nbytes != nbytes or not target.flags.writeable:
             raise ValueError(f"to_wire: out must be a writable buffer of "
-                             f"{flat.size * storage.itemsize} bytes, got {target.nbytes}")
+                             f"{nbytes} bytes, got {target.nbytes}")
         target = target.view(storage)
     fast = _fast
-    if dtype == pb.DTYPE_FLOAT32:
+    if dtype in QUANTIZED_DTYPES:  # float64 input is rounded to float32 first
+        quant.encode(flat.astype(np.float32, copy=False), dtype, target, fast is not None)
+    elif dtype == pb.DTYPE_FLOAT32:
         np.copyto(target, flat, casting="unsafe")
     elif fast is not None and flat.dtype == np.float32:
         bits = target.view(np.uint16)
@@ -201,8 +205,12 @@ def to_wire(values: np.ndarray, dtype: int,
 def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray) -> None:
     """Write wire elements into `out` (any float dtype), converting exactly.
 
-    bfloat16 and float16 both widen exactly to float32 and so to float64.
+    bfloat16 and float16 both widen exactly to float32 and so to float64, as
+    the 8-bit wires do (reducer_wire.quant).
     """
+    if dtype in QUANTIZED_DTYPES:
+        quant.decode(data, dtype, out, _fast is not None)
+        return
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype)) if not isinstance(
         data, np.ndarray) else data
     fast = _fast

@@ -22,17 +22,17 @@ __all__ = ["WIRE_DTYPES", "EIGHT_BIT_DTYPES", "WIRE_OPS", "DTYPE_NAMES", "OP_NAM
            "wire_nbytes", "wire_numel", "op_value"]
 
 # Name used in the client API -> protobuf enum value.
-WIRE_DTYPES: dict[str, int] = {
-    "float16": pb.DTYPE_FLOAT16,
-    "bfloat16": pb.DTYPE_BFLOAT16,
-    "float32": pb.DTYPE_FLOAT32,
-}
-# The 8-bit wires, defined here; they join WIRE_DTYPES (and so the client and
-# the daemon) once both sides route them (issue 20, phase B).
+# The 8-bit wires (reducer_wire.quant).
 EIGHT_BIT_DTYPES: dict[str, int] = {
     "int8": pb.DTYPE_INT8_BLOCK128,
     "fp8_e4m3": pb.DTYPE_FP8_E4M3,
     "fp8_e5m2": pb.DTYPE_FP8_E5M2,
+}
+WIRE_DTYPES: dict[str, int] = {
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float32": pb.DTYPE_FLOAT32,
+    **EIGHT_BIT_DTYPES,
 }
 # Their enum values: lossy beyond float16's rounding (quant.ERROR_BOUND_DOC).
 QUANTIZED_DTYPES: frozenset[int] = frozenset(EIGHT_BIT_DTYPES.values())
@@ -94,8 +94,7 @@ def wire_numel(dtype: int, nbytes: int) -> int | None:
     return None if rest else numel
 
 
-DTYPE_NAMES: dict[int, str] = {value: name for name, value in
-                               (*WIRE_DTYPES.items(), *EIGHT_BIT_DTYPES.items())}
+DTYPE_NAMES: dict[int, str] = {value: name for name, value in WIRE_DTYPES.items()}
 OP_NAMES: dict[int, str] = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
                             pb.REDUCE_OP_MEAN: "mean"}
 

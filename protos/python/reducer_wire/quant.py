@@ -41,9 +41,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["INT8_BLOCK", "Fp8Format", "E4M3", "E5M2", "int8_nbytes", "int8_numel",
-           "encode_int8", "decode_int8", "add_int8", "encode_fp8", "decode_fp8",
-           "add_fp8", "fp8_table", "kernels", "ERROR_BOUND_DOC"]
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+__all__ = ["encode", "decode", "add", "INT8_BLOCK", "Fp8Format", "E4M3", "E5M2",
+           "int8_nbytes", "int8_numel", "encode_int8", "decode_int8", "add_int8",
+           "encode_fp8", "decode_fp8", "add_fp8", "fp8_table", "kernels", "ERROR_BOUND_DOC"]
 
 # Elements per int8 block. 128: the four scale bytes cost 3.1 % over one byte
 # per element (64: 6.3 %, 256: 1.6 %); on gradient-like data the RMS error is
@@ -180,14 +182,14 @@ def _decoded_int8(data: np.ndarray, numel: int, block: int) -> np.ndarray:
 
 def decode_int8(data: bytes | memoryview | np.ndarray, out: np.ndarray,
                 block: int = INT8_BLOCK, use_c: bool = True) -> None:
-    """Write the float32 values of int8 wire bytes into `out` (any float dtype, 1-D)."""
+    """Write the float32 values of int8 wire bytes into `out` (any float dtype)."""
     raw = _bytes(data)
     _check_int8(out.size, raw.size, block, "decode_int8")
     if (use_c and _built is not None and out.dtype == np.float32
             and out.flags.c_contiguous):
         _built.q8_decode(raw, out, block)
         return
-    np.copyto(out.reshape(-1), _decoded_int8(raw, out.size, block), casting="unsafe")
+    np.copyto(out, _decoded_int8(raw, out.size, block).reshape(out.shape), casting="unsafe")
 
 
 def add_int8(acc: np.ndarray, data: bytes | memoryview | np.ndarray,
@@ -295,14 +297,14 @@ def encode_fp8(values: np.ndarray, out: np.ndarray | memoryview | bytearray,
 
 def decode_fp8(data: bytes | memoryview | np.ndarray, out: np.ndarray,
                fmt: Fp8Format, use_c: bool = True) -> None:
-    """Write the values of FP8 codes into `out` (any float dtype, 1-D), exactly."""
+    """Write the values of FP8 codes into `out` (any float dtype), exactly."""
     raw = _bytes(data)
     _check_fp8(out.size, raw.size, f"decode_fp8 ({fmt.name})")
     if (use_c and _built is not None and out.dtype == np.float32
             and out.flags.c_contiguous):
         _built.fp8_decode(raw, out, fmt.kind)
         return
-    np.copyto(out.reshape(-1), _TABLES[fmt.kind][raw], casting="unsafe")
+    np.copyto(out, _TABLES[fmt.kind][raw].reshape(out.shape), casting="unsafe")
 
 
 def add_fp8(acc: np.ndarray, data: bytes | memoryview | np.ndarray, fmt: Fp8Format,
@@ -318,3 +320,35 @@ def add_fp8(acc: np.ndarray, data: bytes | memoryview | np.ndarray, fmt: Fp8Form
     for start in range(0, raw.size, _SPAN):
         part = acc[start:start + _SPAN]
         np.add(part, table[raw[start:start + _SPAN]], out=part)
+
+
+# -- by wire dtype (reducer.v1.DType): what convert and the daemon call -------------
+
+_FP8_BY_DTYPE: dict[int, Fp8Format] = {pb.DTYPE_FP8_E4M3: E4M3, pb.DTYPE_FP8_E5M2: E5M2}
+
+
+def encode(values: np.ndarray, dtype: int, out: np.ndarray | memoryview | bytearray,
+           use_c: bool = True) -> None:
+    """Quantize float32 `values` (1-D) into `out`, the wire bytes of `dtype`."""
+    if dtype == pb.DTYPE_INT8_BLOCK128:
+        encode_int8(values, out, INT8_BLOCK, use_c)
+    else:
+        encode_fp8(values, out, _FP8_BY_DTYPE[dtype], use_c)
+
+
+def decode(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray,
+           use_c: bool = True) -> None:
+    """Write the values of `dtype` wire bytes into `out` (any float dtype), exactly."""
+    if dtype == pb.DTYPE_INT8_BLOCK128:
+        decode_int8(data, out, INT8_BLOCK, use_c)
+    else:
+        decode_fp8(data, out, _FP8_BY_DTYPE[dtype], use_c)
+
+
+def add(acc: np.ndarray, data: bytes | memoryview | np.ndarray, dtype: int,
+        use_c: bool = True) -> None:
+    """acc += the values of `dtype` wire bytes (float32 acc, 1-D): the daemon's sum."""
+    if dtype == pb.DTYPE_INT8_BLOCK128:
+        add_int8(acc, data, INT8_BLOCK, use_c)
+    else:
+        add_fp8(acc, data, _FP8_BY_DTYPE[dtype], use_c)
