@@ -89,10 +89,10 @@ def train_worker(rank: int, world_size: int, addresses: list[str], job: str,
         trainer = rmx.DistributedTrainer(net.collect_params(), "sgd",
                                          {"learning_rate": 0.1, "momentum": 0.9},
                                          kvstore=kv if op == "sum" else None)
-        assert trainer._kvstore.op == op
     # mean: each worker divides by its own batch; sum: by the global batch.
     step_batch = local if op == "mean" else GLOBAL_BATCH
     weights = _train(net, trainer, x, y, step_batch)
+    assert trainer._kvstore.op == op  # the Trainer sets its store up at the first step
     rmx.shutdown()
     return weights
 
