@@ -17,7 +17,8 @@ __all__ = ["main"]
 USAGE = """reducerd [--listen HOST:PORT] [options]    run the daemon (default 127.0.0.1:7070)
        reducerd --config FILE.toml --print-config  show the effective configuration
        reducerd status --address HOST:PORT        jobs, open rounds, throughput
-       reducerd top --address HOST:PORT           the same, refreshed live"""
+       reducerd top --address HOST:PORT           the same, refreshed live
+       reducerd plan --model M --workers N --link RATE  project a cluster's traffic"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from reducerd.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from reducerd.plan import main as plan_main
+
+        return plan_main(argv[1:])
     return _run_daemon(argv)
 
 

@@ -1,0 +1,219 @@
+"""The capacity model: bytes per link, daemons needed, communication time per step.
+
+Symbols (docs/scaling.md derives each line):
+
+    N  worker nodes, G GPUs each (K = N x G ranks)
+    M  the model's gradient in the wire dtype, bytes (params x wire itemsize)
+    Rw a worker node's link rate, Rd a daemon's (bytes per second, each way)
+    D  daemons, each with its own link and c summing cores
+    r  what one core sums: wire input bytes per CPU-second (reducerd's own
+       figure, `reducerd bench` prints it: 1.20-1.28 GB/s of float16 on the
+       project's 2-core loopback runs)
+    C  chunk bytes on the wire (the client's default: M / (16 D), clamped to
+       [64 KiB, 1 MiB])
+    e  the payload's share of the link: (MTU - 52) / (MTU + 38), TCP/IP
+       headers and Ethernet framing (0.990 at MTU 9000)
+    a  one-way latency per message hop
+
+reducerd (node-local aggregation first, so a node sends the model once):
+
+    worker link, each way:   M
+    daemon link, each way:   N M / D
+    daemon CPU per step:     N M / (D c r) seconds on each daemon
+    time = max(M / Rw, N M / (D Rd)) / e  max  N M / (D c r)
+           + C (D / Rw + N / Rd)           (pipeline fill and drain)
+           + 2 a
+    daemons to keep the workers' links full: the smallest D whose daemon
+    link and CPU terms are at most the worker link's, D >= N Rw / min(Rd, c r / e);
+    summing cores for that, in all: N Rw e / r.
+
+Fill and drain: a worker sends to all D daemons at once, so a chunk reaches
+its daemon after D C / Rw; a daemon answers a chunk only when all N workers
+sent it, and its last result goes out to N workers through its link, N C / Rd.
+`reducerd bench --emulate-cluster` measured about C (N + D) / rate
+(reducer_client.layout).
+
+Ring (ranks placed node by node, so one ring edge in and one out per node):
+
+    worker link, each way:   2 (K - 1) / K x M   (0 with one node)
+    time = that / (Rw e) + 2 (K - 1) a
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
+           "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "link_efficiency",
+           "efficiency",
+           "PIPELINE_CHUNKS_PER_DAEMON", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES"]
+
+# The client's default chunking (reducer_client.layout.pipelined_chunk_bytes,
+# which the daemon may not import; tests/unit/test_plan.py checks they agree).
+PIPELINE_CHUNKS_PER_DAEMON = 16
+MIN_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 1 << 20
+# Per packet: IPv4 20 + TCP 20 + timestamps 12 inside the MTU; Ethernet header
+# 14, FCS 4, preamble 8 and inter-frame gap 12 outside it.
+TCP_IP_HEADER_BYTES = 52
+ETHERNET_FRAMING_BYTES = 38
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Everything a plan depends on; validated by `check()`."""
+
+    params: int
+    wire_itemsize: int  # 2 for float16 and bfloat16, 4 for float32
+    nodes: int  # N
+    gpus_per_node: int  # G
+    link_Bps: float  # Rw, bytes per second each way
+    daemon_link_Bps: float  # Rd
+    daemon_rate_Bps_per_core: float  # r: wire input bytes per CPU-second
+    daemon_cores: int = 1  # c: summing cores per daemon
+    daemons: int | None = None  # D; None: as many as keep the workers' links full
+    chunk_bytes: int | None = None  # None: the client's default for M and D
+    latency_s: float = 0.0  # a: one-way, per message hop
+    mtu: int = 9000
+
+    @property
+    def model_bytes(self) -> int:
+        return self.params * self.wire_itemsize
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def check(self) -> None:
+        """ValueError naming the first bad field (as the command line's flag)."""
+        for flag, value, low in (("--model", self.params, 1), ("--workers", self.nodes, 1),
+                                 ("--gpus-per-node", self.gpus_per_node, 1),
+                                 ("--daemon-cores", self.daemon_cores, 1),
+                                 ("--daemons", self.daemons, 1),
+                                 ("--chunk-bytes", self.chunk_bytes, self.wire_itemsize),
+                                 ("--mtu", self.mtu, 576)):
+            if value is not None and value < low:
+                raise ValueError(f"{flag} must be at least {low}, got {value}")
+        for flag, rate in (("--link", self.link_Bps), ("--daemon-link", self.daemon_link_Bps),
+                           ("--daemon-rate", self.daemon_rate_Bps_per_core)):
+            if not (rate > 0 and math.isfinite(rate)):
+                raise ValueError(f"{flag} must be a positive rate, got {rate}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"--latency must be >= 0, got {self.latency_s}")
+        if self.wire_itemsize not in (2, 4):
+            raise ValueError(f"wire itemsize must be 2 or 4 bytes, got {self.wire_itemsize}")
+
+
+@dataclass(frozen=True)
+class ReducerdPlan:
+    daemons: int
+    daemons_needed: int
+    chunk_bytes: int
+    worker_link_bytes: float  # each way, per step
+    daemon_link_bytes: float  # each way, per step, on every daemon's link
+    daemon_input_bytes: float  # summed by each daemon per step
+    daemon_cpu_s: float  # CPU-seconds per step on each daemon
+    total_cpu_s: float  # over all daemons
+    cores_to_fill_links: float  # summing cores that keep every worker link full
+    worker_link_s: float
+    daemon_link_s: float
+    daemon_cpu_wall_s: float  # daemon_cpu_s spread over its c cores
+    pipeline_s: float
+    latency_s: float
+    time_s: float
+    bottleneck: str  # "worker link", "daemon link" or "daemon CPU"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    ranks: int
+    worker_link_bytes: float  # each way, per step, on every node's link
+    bandwidth_s: float
+    latency_s: float
+    time_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def link_efficiency(mtu: int) -> float:
+    """The payload's share of a link's bytes at this MTU (TCP over Ethernet)."""
+    return (mtu - TCP_IP_HEADER_BYTES) / (mtu + ETHERNET_FRAMING_BYTES)
+
+
+def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
+    """The client's default chunk size for one key of `model_bytes` over `daemons`."""
+    wanted = -(-model_bytes // (daemons * PIPELINE_CHUNKS_PER_DAEMON))
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, wanted))
+
+
+def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int) -> int:
+    """Summing cores that keep one daemon link full: ceil(Rd e / r)."""
+    return max(1, math.ceil(daemon_link_Bps * link_efficiency(mtu) / rate_Bps_per_core - 1e-9))
+
+
+def daemons_needed(spec: ClusterSpec) -> int:
+    """The fewest daemons whose links and cores keep every worker link full.
+
+    A daemon's link carries N M / D each way and its cores sum N M / D per
+    step: both must take no longer than a worker link's M / Rw, so
+    D >= N Rw / Rd and D >= N Rw e / (c r) (the CPU figure is payload, the
+    links lose e to headers).
+    """
+    e = link_efficiency(spec.mtu)
+    per_daemon_Bps = min(spec.daemon_link_Bps, spec.daemon_cores * spec.daemon_rate_Bps_per_core
+                         / e)
+    # Rounding guard: 256 x 12.5e9 / 12.5e9 must be 256, not 257.
+    return max(1, math.ceil(spec.nodes * spec.link_Bps / per_daemon_Bps - 1e-9))
+
+
+def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
+    """Bytes, CPU and time per step for reducerd on `spec` (see the module docstring)."""
+    spec.check()
+    needed = daemons_needed(spec)
+    d = spec.daemons or needed
+    n, m = spec.nodes, spec.model_bytes
+    e = link_efficiency(spec.mtu)
+    chunk = spec.chunk_bytes or default_chunk_bytes(m, d)
+    daemon_bytes = n * m / d
+    cpu_s = daemon_bytes / spec.daemon_rate_Bps_per_core
+    terms = {"worker link": m / (spec.link_Bps * e),
+             "daemon link": daemon_bytes / (spec.daemon_link_Bps * e),
+             "daemon CPU": cpu_s / spec.daemon_cores}
+    bottleneck = max(terms, key=lambda name: terms[name])
+    pipeline_s = chunk * (d / spec.link_Bps + n / spec.daemon_link_Bps)
+    latency_s = 2 * spec.latency_s
+    return ReducerdPlan(
+        daemons=d, daemons_needed=needed, chunk_bytes=chunk,
+        worker_link_bytes=float(m), daemon_link_bytes=daemon_bytes,
+        daemon_input_bytes=daemon_bytes, daemon_cpu_s=cpu_s, total_cpu_s=cpu_s * d,
+        cores_to_fill_links=n * spec.link_Bps * e / spec.daemon_rate_Bps_per_core,
+        worker_link_s=terms["worker link"], daemon_link_s=terms["daemon link"],
+        daemon_cpu_wall_s=terms["daemon CPU"], pipeline_s=pipeline_s, latency_s=latency_s,
+        time_s=terms[bottleneck] + pipeline_s + latency_s, bottleneck=bottleneck)
+
+
+def plan_ring(spec: ClusterSpec) -> RingPlan:
+    """A ring allreduce over all K = N G ranks, in the same wire dtype."""
+    spec.check()
+    k = spec.ranks
+    link_bytes = 2 * (k - 1) / k * spec.model_bytes if spec.nodes > 1 else 0.0
+    bandwidth_s = link_bytes / (spec.link_Bps * link_efficiency(spec.mtu))
+    latency_s = 2 * (k - 1) * spec.latency_s
+    return RingPlan(ranks=k, worker_link_bytes=link_bytes, bandwidth_s=bandwidth_s,
+                    latency_s=latency_s, time_s=bandwidth_s + latency_s)
+
+
+def efficiency(compute_s: float, comm_s: float, overlap: float = 0.0) -> float:
+    """Scaling efficiency of a step: compute / (compute + the communication not hidden).
+
+    `overlap` is the share of the compute that communication can run beside
+    (0: none; about 2/3 when every bucket is reduced during backward).
+    """
+    exposed = max(0.0, comm_s - overlap * compute_s)
+    return compute_s / (compute_s + exposed)
