@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from reducerd.bench.config import BASELINE_CHOICES, WIRE_ITEMSIZE, BenchConfig, systems_for
+from reducerd.bench.config import BASELINE_CHOICES, WIRE_DTYPE_NAMES, BenchConfig, systems_for
 from reducerd.bench.units import parse_rate, parse_sizes, parse_time
 
 __all__ = ["main", "build_parser", "config_from_argv", "UsageError"]
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, metavar="LIST",
                         help="float32 gradient sizes: 1K,1M,64M or MIN:MAX[:FACTOR] "
                              f"(K, M, G are powers of 1024; default {DEFAULT_SIZES})")
-    parser.add_argument("--wire-dtype", default="float16", choices=sorted(WIRE_ITEMSIZE),
+    parser.add_argument("--wire-dtype", default="float16", choices=sorted(WIRE_DTYPE_NAMES),
                         help="reducerd's wire dtype; MXNet pushes float16 when this is "
                              "float16, else float32 (default float16)")
     parser.add_argument("--iters", type=int, default=10, metavar="K",

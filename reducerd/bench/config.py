@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "BASELINE_CHOICES", "WIRE_ITEMSIZE",
-           "systems_for"]
+__all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "BASELINE_CHOICES", "WIRE_DTYPE_NAMES",
+           "wire_nbytes", "systems_for"]
 
 # Every system the bench knows, in the order it runs them (and prints them).
 SYSTEMS = ("reducerd", "reducerd-ddp-hook", "gloo-float32", "gloo-float16", "mxnet-ps")
@@ -22,7 +22,16 @@ BASELINE_CHOICES = {
     "mxnet-ps": ("mxnet-ps",),
     "none": (),
 }
-WIRE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# --wire-dtype choices: reducer_wire.dtypes.WIRE_DTYPES's names, written out so
+# that `bench --help` imports no NumPy (tests/unit/test_quant.py checks they agree).
+WIRE_DTYPE_NAMES = ("float16", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def wire_nbytes(wire_dtype: str, numel: int) -> int:
+    """Wire bytes of `numel` elements of the named wire dtype (int8: scales included)."""
+    from reducer_wire import dtypes  # NumPy: not for --help
+
+    return dtypes.wire_nbytes(dtypes.WIRE_DTYPES[wire_dtype], numel)
 
 
 @dataclass(frozen=True)

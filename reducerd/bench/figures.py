@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from reducerd.bench.config import REDUCERD_SYSTEMS, WIRE_ITEMSIZE, BenchConfig
+from reducerd.bench.config import REDUCERD_SYSTEMS, BenchConfig, wire_nbytes
 
 __all__ = ["aggregate", "theory_bytes_per_node", "daemon_link_bytes", "line_rate_bound_s",
            "time_ratios"]
@@ -28,12 +28,15 @@ __all__ = ["aggregate", "theory_bytes_per_node", "daemon_link_bytes", "line_rate
 MXNET_BIGARRAY_BOUND = 1_000_000
 
 
-def _itemsize(system: str, config: BenchConfig) -> int:
+def _model_bytes(system: str, size_bytes: int, config: BenchConfig) -> int:
+    """Bytes of one float32 gradient of `size_bytes` in the system's wire dtype."""
     if system in REDUCERD_SYSTEMS:
-        return WIRE_ITEMSIZE[config.wire_dtype]
-    if system == "mxnet-ps":
-        return WIRE_ITEMSIZE[config.mxnet_dtype]
-    return WIRE_ITEMSIZE[system.removeprefix("gloo-")]
+        wire = config.wire_dtype
+    elif system == "mxnet-ps":
+        wire = config.mxnet_dtype
+    else:
+        wire = system.removeprefix("gloo-")
+    return wire_nbytes(wire, size_bytes // 4)
 
 
 def _aggregates(system: str, node_aggregation: bool | None) -> bool:
@@ -51,7 +54,7 @@ def theory_bytes_per_node(system: str, size_bytes: int, config: BenchConfig,
     edges between nodes use the link, one out and one in per node (ranks are
     placed node by node), each carrying 2(N-1)/N of the model.
     """
-    model = size_bytes // 4 * _itemsize(system, config)
+    model = _model_bytes(system, size_bytes, config)
     if system.startswith("gloo-"):
         n = config.workers
         return 2 * (n - 1) / n * model if config.nodes > 1 else 0.0
@@ -62,7 +65,7 @@ def daemon_link_bytes(system: str, size_bytes: int, config: BenchConfig) -> floa
     """Bytes the busiest daemon (or server) link carries each way; 0 for the ring."""
     if system.startswith("gloo-"):
         return 0.0
-    model = size_bytes // 4 * _itemsize(system, config)
+    model = _model_bytes(system, size_bytes, config)
     share = config.daemons
     if system == "mxnet-ps" and size_bytes // 4 < MXNET_BIGARRAY_BOUND:
         share = 1

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from reducerd.bench import netns
-from reducerd.bench.config import WIRE_ITEMSIZE, BenchConfig
+from reducerd.bench.config import BenchConfig, wire_nbytes
 from reducerd.bench.figures import aggregate
 from reducerd.bench.launch import Placement, default_mxnet_python, launch, make_placement
 from reducerd.bench.procs import Proc, ProcessSet, SystemFailed, cpu_seconds, follow_workers
@@ -63,11 +63,10 @@ def _daemon_efficiency(config: BenchConfig, daemons: list[Proc],
                        cpu_after_first_step: float) -> dict[str, float]:
     """What the daemons received per CPU-second they used, from the end of the
     sweep's first step (start-up, imports and connecting left out) to its end."""
-    itemsize = WIRE_ITEMSIZE[config.wire_dtype]
     steps = config.warmup + config.iters
-    input_bytes = sum(size // 4 * itemsize * config.workers * steps
+    input_bytes = sum(wire_nbytes(config.wire_dtype, size // 4) * config.workers * steps
                       for size in config.sizes_bytes)
-    input_bytes -= config.sizes_bytes[0] // 4 * itemsize * config.workers
+    input_bytes -= wire_nbytes(config.wire_dtype, config.sizes_bytes[0] // 4) * config.workers
     cpu_s = sum(cpu_seconds(d.process.pid) for d in daemons) - cpu_after_first_step
     return {"input_bytes": input_bytes, "cpu_s": round(cpu_s, 3),
             "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if cpu_s else 0.0}

@@ -537,3 +537,12 @@ def test_client_chunks_hold_whole_blocks(numel, daemons):
     assert max(sizes) - min(sizes) <= 1  # balanced to within one block
     fp8 = plan_wire_chunks(numel, pb.DTYPE_FP8_E4M3, daemons, chunk_bytes, key="grad")
     assert sum(c.numel for c in fp8) == numel and all(c.numel <= chunk_bytes for c in fp8)
+
+
+def test_bench_offers_every_wire_dtype_and_counts_scales():
+    from reducerd.bench.config import WIRE_DTYPE_NAMES, wire_nbytes
+
+    assert set(WIRE_DTYPE_NAMES) == set(dtypes.WIRE_DTYPES)
+    numel = (16 << 20) // 4  # 16 MiB of float32
+    assert wire_nbytes("int8", numel) == numel + 4 * numel // B  # 1.031 bytes per element
+    assert wire_nbytes("fp8_e5m2", numel) == numel and wire_nbytes("float16", numel) == 2 * numel
