@@ -48,9 +48,12 @@ def test_init_client_shutdown(process_client):
 
 def test_init_from_arguments_does_not_read_environment(monkeypatch):
     monkeypatch.delenv("REDUCER_ADDRESSES", raising=False)
-    reducer = rt.init(addresses=["127.0.0.1:1"], job="j", rank=1, world_size=2)
+    reducer = rt.init(addresses=["127.0.0.1:1"], job="j", rank=1, world_size=2,
+                      local_rank=1, local_size=2, node_local=False)
     try:
         assert isinstance(reducer, Reducer) and (reducer.rank, reducer.world_size) == (1, 2)
+        # The local basics are the client's node-local settings.
+        assert (rt.rank(), rt.size(), rt.local_rank(), rt.local_size()) == (1, 2, 1, 2)
     finally:
         rt.shutdown()
 
