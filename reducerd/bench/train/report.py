@@ -10,7 +10,10 @@ rank's):
 - comm_alone_s: the median step with the compute waits off (communication
   and the framework's own work, nothing to hide behind);
 - comm_hidden_fraction = 1 - (step - compute) / comm_alone, clipped to
-  [0, 1]: the share of that communication the step did not pay for.
+  [0, 1]: the share of that communication the step did not pay for;
+- compute_share = compute / step: the step's efficiency against compute
+  alone, which does not depend on what the system pays at 1 worker
+  (reducerd's 1-worker step still crosses its link to one daemon).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _one(config: TrainConfig, system: str, workers: int,
         "scaling_efficiency": None,  # filled in by aggregate()
         "comm_hidden_fraction": hidden,
         "compute_s": compute_s, "comm_alone_s": comm_s, "exposed_comm_s": exposed_s,
+        "compute_share": compute_s / step_s,
         "reductions_per_step": _median_or_none([s["launches"] for s in rank0]),
         "launched_in_backward": _median_or_none([s["launched_in_backward"] for s in rank0]),
         "launch_lag_s": _median_or_none([s["launch_lag_s"] for s in rank0]),
@@ -100,7 +104,7 @@ def render_tables(console: Console, config: TrainConfig, results: list[dict[str,
                   caption=f"ratio = step time / {BASELINE}'s; hidden = 1 - (step - compute)"
                           " / comm alone")
     columns = ["N", "system", "step ms", "min", "max", "samples/s", "efficiency",
-               "compute ms", "comm alone ms", "hidden", f"vs {BASELINE}"]
+               "compute ms", "compute share", "comm alone ms", "hidden", f"vs {BASELINE}"]
     for column in columns:
         table.add_column(column, justify="left" if column == "system" else "right",
                          no_wrap=True)
@@ -110,7 +114,8 @@ def render_tables(console: Console, config: TrainConfig, results: list[dict[str,
         table.add_row(str(r["workers"]), r["system"], format_ms(t["median"]),
                       format_ms(t["min"]), format_ms(t["max"]), f"{r['samples_per_s']:.4g}",
                       _pct(r["scaling_efficiency"]), format_ms(r["compute_s"]),
-                      format_ms(r["comm_alone_s"]), _pct(r["comm_hidden_fraction"]),
+                      _pct(r["compute_share"]), format_ms(r["comm_alone_s"]),
+                      _pct(r["comm_hidden_fraction"]),
                       f"{t['median'] / base:.2f}x" if base else "")
     console.print(table)
     largest = max(r["workers"] for r in results)
