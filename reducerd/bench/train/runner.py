@@ -40,7 +40,7 @@ __all__ = ["run_train", "TrainBenchError"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _READY_TIMEOUT_S = 60.0
-_GLOO_BASE_PORT = 29500  # inside our namespaces; one port per run (no TIME_WAIT clash)
+_GLOO_BASE_PORT = 29500  # Gloo masters' ports inside our own namespaces
 
 
 class TrainBenchError(RuntimeError):
@@ -90,8 +90,10 @@ def _run_workers(workers: int, config: TrainConfig, nodes: list[Host],
     """Every system at one worker count, in the same worker processes (torch imported once)."""
     nodes, daemon_hosts = nodes[:workers], daemon_hosts[:workers]
     master = nodes[0]
+    # A port per (worker count, system): no run binds one a previous run left in TIME_WAIT.
+    first = _GLOO_BASE_PORT + config.workers.index(workers) * len(config.systems)
     masters = {system: f"{master.address}:"
-                       f"{_free_port() if master.netns is None else _GLOO_BASE_PORT + i}"
+                       f"{_free_port() if master.netns is None else first + i}"
                for i, system in enumerate(config.systems)}
     extra: dict[str, Any] = {"masters": masters, "job": f"train-{os.getpid()}-n{workers}",
                              "systems": list(config.systems)}
