@@ -36,11 +36,13 @@ class Reducer(Protocol):
       the result is written there and the future's result is `out`, so a
       shim that reduces into its own buffer allocates nothing per call. Its
       contents are unspecified while the call runs and after a failure.
-    - wire_dtype ("float16", "bfloat16" or "float32"): what allreduce
-      values travel as. Each contribution is rounded to it once (nearest
-      even), the daemons add the contributions in float32, "mean" divides
-      the float32 sum by world_size, and the result is rounded to the wire
-      dtype once more, then widened exactly to the output's dtype.
+    - wire_dtype (a name of reducer_wire.dtypes.WIRE_DTYPES: "float16",
+      "bfloat16", "float32", or an 8-bit wire "int8", "fp8_e4m3",
+      "fp8_e5m2"): what allreduce values travel as. Each contribution is
+      rounded to it once (float16 and bfloat16: nearest even), the daemons
+      add the contributions in float32, "mean" divides the float32 sum by
+      world_size, and the result is rounded to the wire dtype once more,
+      then widened exactly to the output's dtype.
     - op is "sum" or "mean".
     - broadcast returns root_rank's values exactly for float16, bfloat16-
       representable and float32 data (it travels as float32, whatever

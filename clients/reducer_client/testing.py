@@ -45,7 +45,8 @@ class _Slot:
 
     def __init__(self, numel: int, wire: int, op: str) -> None:
         self.numel, self.wire, self.op = numel, wire, op
-        self.parts: dict[int, np.ndarray] = {}  # rank -> wire-dtype contribution
+        # rank -> its contribution in the wire's storage (bytes for the 8-bit wires)
+        self.parts: dict[int, np.ndarray] = {}
         self.waiting: list[tuple[Future, np.ndarray]] = []  # (future, output)
 
 
@@ -75,12 +76,13 @@ class LocalGroup:
 
     def _contribute(self, key: str, round_: int, rank: int, wire: np.ndarray, dtype: int,
                     op: str, out: np.ndarray, future: Future) -> None:
+        numel = out.size
         with self._lock:
-            slot = self._slots.setdefault((key, round_), _Slot(wire.size, dtype, op))
-            if (slot.numel, slot.wire, slot.op) != (wire.size, dtype, op):
+            slot = self._slots.setdefault((key, round_), _Slot(numel, dtype, op))
+            if (slot.numel, slot.wire, slot.op) != (numel, dtype, op):
                 _settle(future, error=ReducerError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"key {key!r} round {round_}: rank {rank} sent {wire.size} elements "
+                    f"key {key!r} round {round_}: rank {rank} sent {numel} elements "
                     f"(wire {dtypes.DTYPE_NAMES[dtype]}, op {op}), others "
                     f"{slot.numel} (wire {dtypes.DTYPE_NAMES[slot.wire]}, op {slot.op})"))
                 return

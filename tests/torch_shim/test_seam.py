@@ -63,7 +63,8 @@ def _clients(addresses: list[str], wire_dtype: str, **kwargs) -> list[ReducerCli
 
 # The core warns when float64 input overflows the float16 wire; that is meant.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16", "float32", "int8", "fp8_e4m3",
+                                        "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_local_group_gives_the_daemons_bits(daemon_addresses, wire_dtype, dtype):
     inputs = _inputs(dtype)
