@@ -21,16 +21,19 @@ reducerd (node-local aggregation first, so a node sends the model once):
     daemon link, each way:   N M / D
     daemon CPU per step:     N M / (D c r) seconds on each daemon
     time = max(M / Rw, N M / (D Rd)) / e  max  N M / (D c r)
-           + C (D / Rw + N / Rd)           (pipeline fill and drain)
+           + 2 C max(D / Rw, N / Rd)       (pipeline fill and drain)
            + 2 a
     daemons to keep the workers' links full: the smallest D whose daemon
     link and CPU terms are at most the worker link's, D >= N Rw / min(Rd, c r / e);
     summing cores for that, in all: N Rw e / r.
 
-Fill and drain: a worker sends to all D daemons at once, so a chunk reaches
-its daemon after D C / Rw; a daemon answers a chunk only when all N workers
-sent it, and its last result goes out to N workers through its link, N C / Rd.
-`reducerd bench --emulate-cluster` measured about C (N + D) / rate
+Fill and drain: a daemon answers a chunk only once all N workers sent it,
+so nothing comes back before the first chunk is in, and the last result
+still has to go out after the last chunk is in. Each is one chunk passing
+the slower end of its path: a worker sends to all D daemons at once (a chunk
+takes D C / Rw on its link), a daemon takes from and answers all N workers
+at once (N C / Rd on its link). With D = N and equal links that is
+C (N + D) / rate, what `reducerd bench --emulate-cluster` measured
 (reducer_client.layout).
 
 Ring (ranks placed node by node, so one ring edge in and one out per node):
@@ -46,7 +49,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
-           "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "link_efficiency",
+           "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
+           "link_efficiency",
            "efficiency",
            "PIPELINE_CHUNKS_PER_DAEMON", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES"]
 
@@ -110,7 +114,7 @@ class ClusterSpec:
 class ReducerdPlan:
     daemons: int
     daemons_needed: int
-    chunk_bytes: int
+    chunk_bytes: float  # the mean chunk of the client's layout
     worker_link_bytes: float  # each way, per step
     daemon_link_bytes: float  # each way, per step, on every daemon's link
     daemon_input_bytes: float  # summed by each daemon per step
@@ -152,6 +156,17 @@ def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
     return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, wanted))
 
 
+def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,
+                       itemsize: int = 2) -> float:
+    """The mean chunk the client's layout makes of one key with at most
+    `chunk_bytes` per chunk: the count is rounded up to a multiple of the
+    daemons (reducer_client.layout.plan_chunks), so chunks may be smaller."""
+    numel = max(1, model_bytes // itemsize)
+    count = -(-numel // max(1, chunk_bytes // itemsize))
+    count = min(numel, -(-count // daemons) * daemons)
+    return model_bytes / count
+
+
 def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int) -> int:
     """Summing cores that keep one daemon link full: ceil(Rd e / r)."""
     return max(1, math.ceil(daemon_link_Bps * link_efficiency(mtu) / rate_Bps_per_core - 1e-9))
@@ -179,14 +194,15 @@ def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
     d = spec.daemons or needed
     n, m = spec.nodes, spec.model_bytes
     e = link_efficiency(spec.mtu)
-    chunk = spec.chunk_bytes or default_chunk_bytes(m, d)
+    chunk = layout_chunk_bytes(m, d, spec.chunk_bytes or default_chunk_bytes(m, d),
+                               spec.wire_itemsize)
     daemon_bytes = n * m / d
     cpu_s = daemon_bytes / spec.daemon_rate_Bps_per_core
     terms = {"worker link": m / (spec.link_Bps * e),
              "daemon link": daemon_bytes / (spec.daemon_link_Bps * e),
              "daemon CPU": cpu_s / spec.daemon_cores}
     bottleneck = max(terms, key=lambda name: terms[name])
-    pipeline_s = chunk * (d / spec.link_Bps + n / spec.daemon_link_Bps)
+    pipeline_s = 2 * chunk * max(d / spec.link_Bps, n / spec.daemon_link_Bps)
     latency_s = 2 * spec.latency_s
     return ReducerdPlan(
         daemons=d, daemons_needed=needed, chunk_bytes=chunk,

@@ -22,6 +22,7 @@ from reducerd.plan.capacity import (
     daemons_needed,
     default_chunk_bytes,
     efficiency,
+    layout_chunk_bytes,
     plan_reducerd,
     plan_ring,
 )
@@ -101,7 +102,7 @@ def test_daemons_needed_to_keep_worker_links_full(daemon_link, rate, cores, need
     assert plan.daemon_cpu_wall_s <= plan.worker_link_s * (1 + 1e-12)
     fewer = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": needed - 1}))
     assert fewer.bottleneck in ("daemon link", "daemon CPU")
-    assert fewer.time_s > plan.time_s
+    assert max(fewer.daemon_link_s, fewer.daemon_cpu_wall_s) > plan.worker_link_s
 
 
 def test_bottleneck_and_time_per_step_worked_example():
@@ -118,6 +119,9 @@ def test_bottleneck_and_time_per_step_worked_example():
     two = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": 2}))
     assert two.bottleneck == "daemon link"  # each daemon link carries 2 models
     assert two.daemon_link_s == pytest.approx(2 * (8 << 20) / (25e6 * E))
+    # Chunks of 8 MiB / 32; fill and drain each pass the daemon's 4 workers: 2 x 4 C / 25e6.
+    assert two.pipeline_s == pytest.approx(2 * 4 * (256 << 10) / 25e6)
+    assert two.time_s == pytest.approx(two.daemon_link_s + two.pipeline_s)
     slow = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemon_rate_Bps_per_core": 10e6}))
     assert slow.bottleneck == "daemon CPU"
     assert slow.daemon_cpu_s == pytest.approx((8 << 20) / 10e6)
@@ -137,13 +141,17 @@ def test_bert_large_cluster_needs_256_daemon_links_of_11_cores():
     assert one_core["reducerd"]["daemons"] == 2641  # 256 x 12.5e9 e / 1.2e9, rounded up
 
 
-def test_default_chunk_bytes_is_the_clients():
-    from reducer_client.layout import pipelined_chunk_bytes
+def test_default_chunk_bytes_and_layout_are_the_clients():
+    from reducer_client.layout import pipelined_chunk_bytes, plan_chunks
 
-    for model_bytes in (1, 1000, 64 << 10, 1 << 20, 3 << 20, 1 << 24, 672_452_216):
+    for model_bytes in (2, 1000, 64 << 10, 100_000, 1 << 20, 3 << 20, 1 << 24, 672_452_216):
         for daemons in (1, 2, 4, 256):
-            assert default_chunk_bytes(model_bytes, daemons) == pipelined_chunk_bytes(
-                model_bytes, daemons)
+            chunk = default_chunk_bytes(model_bytes, daemons)
+            assert chunk == pipelined_chunk_bytes(model_bytes, daemons)
+            for limit in (chunk, 4096, 1 << 20):
+                count = len(plan_chunks(model_bytes // 2, 2, daemons, limit))
+                assert layout_chunk_bytes(model_bytes, daemons, limit) == pytest.approx(
+                    model_bytes / count)
 
 
 def test_efficiency():
