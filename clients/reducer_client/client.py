@@ -1,11 +1,17 @@
-"""ReducerClient: allreduce and broadcast of NumPy arrays through reducerd daemons."""
+"""ReducerClient: allreduce and broadcast of NumPy arrays through reducerd daemons.
+
+The facade: it validates a call, counts the key's rounds, cuts the array into
+chunks (layout.py) and routes them: through this host's node group
+(node/group.py) when workers share it, else straight to the daemons' links.
+An Operation (ops.py) collects the replies; a link (transport/link.py)
+carries the chunks, each narrowed straight into the buffer of its message.
+"""
 
 from __future__ import annotations
 
-import itertools
+import os
 import threading
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -15,9 +21,11 @@ import grpc
 import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import ShardView, encode_shard
+from reducer_wire.codec import ShardEncoder
 
 from reducer_client.env import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WIRE_DTYPE,
     data_plane_from_env,
     local_settings_from_env,
     settings_from_env,
@@ -33,73 +41,13 @@ from reducer_client.layout import (
 )
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
+from reducer_client.ops import InFlight, Operation
 from reducer_client.tls import TLSConfig, channel_credentials
 from reducer_client.transport.link import DaemonLink
 
 __all__ = ["ReducerClient"]
 
 _INPUT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-class _Operation:
-    """One allreduce in flight: the output buffer and the chunks still missing.
-
-    Reply handlers run on the links' reader threads; `_lock` guards
-    `remaining` and completion so the future is completed exactly once.
-    """
-
-    def __init__(self, client: ReducerClient, key: str, round_: int, out: np.ndarray,
-                 result: np.ndarray, dtype: int, chunks: Sequence[Chunk],
-                 deadline_s: float) -> None:
-        self.future: Future[np.ndarray] = Future()
-        self.future.set_running_or_notify_cancel()
-        self.key, self.round = key, round_
-        # out: flat view of `result`, the array the future hands back.
-        self.out, self.result, self.dtype = out, result, dtype
-        self.chunks = chunks
-        self.deadline_s = deadline_s
-        self.remaining = len(chunks)
-        self._client = weakref.ref(client)
-        self._lock = threading.Lock()
-
-    def handler(self, chunk: Chunk):
-        def on_reply(reply: ShardView | None, error: ReducerError | None) -> None:
-            if error is not None:
-                self.fail(error)
-                return
-            assert reply is not None
-            expected = dtypes.wire_nbytes(self.dtype, chunk.numel)
-            if len(reply.data) != expected:
-                self.fail(ReducerError(grpc.StatusCode.INTERNAL,
-                                       f"key {self.key!r} round {self.round} offset "
-                                       f"{chunk.offset}: reply has {len(reply.data)} bytes, "
-                                       f"expected {expected}"))
-                return
-            convert.from_wire(reply.data, self.dtype,
-                           self.out[chunk.offset:chunk.offset + chunk.numel])
-            with self._lock:
-                self.remaining -= 1
-                done = self.remaining == 0 and not self.future.done()
-            if done:
-                self._finish()
-                self.future.set_result(self.result)
-        return on_reply
-
-    def fail(self, error: ReducerError) -> None:
-        with self._lock:
-            if self.future.done():
-                return
-            self.remaining = -1
-        self._finish()
-        self.future.set_exception(error)
-        client = self._client()
-        if client is not None:
-            client._forget(self)
-
-    def _finish(self) -> None:
-        client = self._client()
-        if client is not None:
-            client._retire(self)
 
 
 class ReducerClient:
@@ -115,10 +63,10 @@ class ReducerClient:
     system's roots, or a TLSConfig (own CA, client certificate for mutual TLS).
     data_plane: "auto" sends shards over a daemon's TCP data plane where it
     offers one (much cheaper than gRPC Python) and TLS is off, else through
-    gRPC; "tcp" or "grpc" insist on one (link.py). Default: REDUCER_DATA_PLANE,
-    else "auto".
+    gRPC; "tcp" or "grpc" insist on one (transport/link.py). Default:
+    REDUCER_DATA_PLANE, else "auto".
 
-    Node-local aggregation (node.py): when local_size > 1 workers share this
+    Node-local aggregation (node/): when local_size > 1 workers share this
     host, they reduce together through shared memory and the node sends the
     model once; the daemons see one contribution per node. local_rank and
     local_size default to REDUCER_LOCAL_RANK / REDUCER_LOCAL_SIZE, else
@@ -126,14 +74,19 @@ class ReducerClient:
     must be node-major (node = rank // local_size) unless node_rank (default
     REDUCER_NODE_RANK) names the node. node_local=False (or
     REDUCER_NODE_LOCAL=0) turns it off. rank and world_size stay the worker's.
+
+    environ: where the defaults above come from (and REDUCER_WIRE_NUMPY=1,
+    conversions in NumPy instead of C): os.environ unless given; from_env(m)
+    passes m, so such a client reads nothing else.
     """
 
     def __init__(self, addresses: Sequence[str], job: str, rank: int, world_size: int,
-                 wire_dtype: str = "float16", timeout: float = 60.0,
+                 wire_dtype: str = DEFAULT_WIRE_DTYPE, timeout: float = DEFAULT_TIMEOUT_S,
                  token: str | None = None, chunk_bytes: int | None = None,
                  tls: TLSConfig | bool | None = None, *, local_rank: int | None = None,
                  local_size: int | None = None, node_local: bool | None = None,
-                 node_rank: int | None = None, data_plane: str | None = None) -> None:
+                 node_rank: int | None = None, data_plane: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
         if not addresses:
@@ -149,8 +102,9 @@ class ReducerClient:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 4:
             raise ValueError(f"chunk_bytes must be at least 4, got {chunk_bytes}")
+        environ = os.environ if environ is None else environ
         self.addresses = list(addresses)
-        convert.use_accelerator(not wire_numpy_from_env())
+        convert.use_accelerator(not wire_numpy_from_env(environ))
         self.job, self.rank, self.world_size = job, rank, world_size
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
@@ -168,27 +122,23 @@ class ReducerClient:
         extra_options = ([("grpc.ssl_target_name_override", tls.server_name)]
                          if isinstance(tls, TLSConfig) and tls.server_name else [])
         if data_plane is None:
-            data_plane = data_plane_from_env()
+            data_plane = data_plane_from_env(environ)
         self._links = [DaemonLink(a, metadata, credentials, extra_options, token=token or "",
                                   data_plane=data_plane)
                        for a in self.addresses]
-        # _lock guards _rounds, _active and _closed (caller threads, the
-        # reader threads via _retire/_forget, and the watchdog).
+        # _lock guards _rounds and _closed (caller threads, close()).
         self._lock = threading.Lock()
         self._rounds: dict[str, int] = defaultdict(int)
-        self._active: dict[int, _Operation] = {}
-        self._ids = itertools.count()
         self._closed = False
-        self._wake = threading.Event()
-        self._node = self._node_group(local_rank, local_size, node_local, node_rank)
-        self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                          name="reducer-watchdog")
-        self._watchdog.start()
+        self._node = self._node_group(local_rank, local_size, node_local, node_rank, environ)
+        self._inflight = InFlight(self._timeout_error,
+                                  self._node.check_deadlines if self._node else None)
 
     def _node_group(self, local_rank: int | None, local_size: int | None,
-                    node_local: bool | None, node_rank: int | None) -> NodeGroup | None:
+                    node_local: bool | None, node_rank: int | None,
+                    environ: Mapping[str, str]) -> NodeGroup | None:
         """Join this host's node-local aggregation, unless it is off or L = 1."""
-        env = local_settings_from_env()  # only for what the caller left out
+        env = local_settings_from_env(environ)  # only for what the caller left out
         if (local_rank is None) != (local_size is None):
             raise ValueError("give local_rank and local_size together")
         if local_rank is None or local_size is None:
@@ -210,13 +160,15 @@ class ReducerClient:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any,
                  ) -> ReducerClient:
-        """Build a client from REDUCER_* variables or the launcher's own (see env.py)."""
+        """Build a client from REDUCER_* variables or the launcher's own (env.py).
+
+        environ: that mapping alone is read (default os.environ): every
+        setting is passed explicitly, and the mapping for the rest.
+        """
+        environ = os.environ if environ is None else environ
         settings = settings_from_env(environ)
-        if environ is not None:  # this mapping only: no fallback to os.environ
-            settings.setdefault("local_rank", 0)
-            settings.setdefault("local_size", 1)
         settings.update(overrides)
-        return cls(**settings)
+        return cls(**settings, environ=environ)
 
     @property
     def transports(self) -> list[str | None]:
@@ -241,10 +193,8 @@ class ReducerClient:
         result, instead of a new array: no fresh pages to fault in per call.
         Its contents are unspecified if the operation fails.
         """
-        if op not in dtypes.WIRE_OPS:
-            raise ValueError(f"op {op!r}: one of {', '.join(dtypes.WIRE_OPS)}")
         return self._start(array, key, dtypes.WIRE_DTYPES[self.wire_dtype],
-                           dtypes.WIRE_OPS[op], root_rank=None, out=out)
+                           dtypes.op_value(op), root_rank=None, out=out)
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
         """Return root_rank's `array` on every worker.
@@ -268,10 +218,7 @@ class ReducerClient:
             if self._closed:
                 return
             self._closed = True
-            active = list(self._active.values())
-        for operation in active:
-            operation.fail(ReducerError(grpc.StatusCode.CANCELLED, "client closed"))
-        self._wake.set()
+        self._inflight.close(ReducerError(grpc.StatusCode.CANCELLED, "client closed"))
         if self._node is not None:
             self._node.close()
         for link in self._links:
@@ -312,17 +259,15 @@ class ReducerClient:
         if self._node is not None:
             return self._node.reduce(flat if contributes else None, array.shape,
                                      array.dtype, key, round_, dtype, op, root_rank, out)
-        if not contributes:
-            flat = np.full_like(flat, -0.0)  # x + (-0.0) == x, also for x = -0.0
         result = np.empty(array.shape, dtype=array.dtype) if out is None else out
         chunks = plan_wire_chunks(flat.size, dtype, len(self._links),
                                   self._chunk_bytes_for(flat.size, dtype), key)
-        return self._send_chunks(flat, 0, result.reshape(-1), result, key,
-                                 round_, dtype, op, chunks, self.rank,
+        return self._send_chunks(flat if contributes else None, 0, result.reshape(-1),
+                                 result, key, round_, dtype, op, chunks, self.rank,
                                  self.world_size).future
 
     def _send_slice(self, values: np.ndarray, start: int, out: np.ndarray, key: str,
-                    round_: int, dtype: int, op: int) -> _Operation:
+                    round_: int, dtype: int, op: int) -> Operation:
         """Send this node's reduced slice (elements start.. of key) as the node.
 
         The daemons see rank = node index, world_size = number of nodes; the
@@ -343,68 +288,66 @@ class ReducerClient:
         return pipelined_chunk_bytes(dtypes.wire_nbytes(dtype, numel), len(self._links),
                                      self.chunk_bytes)
 
-    def _send_chunks(self, values: np.ndarray, base: int, out: np.ndarray,
+    def _send_chunks(self, values: np.ndarray | None, base: int, out: np.ndarray,
                      result: np.ndarray, key: str, round_: int, dtype: int, op: int,
-                     chunks: Sequence[Chunk], rank: int, world_size: int) -> _Operation:
+                     chunks: Sequence[Chunk], rank: int, world_size: int) -> Operation:
         """Send values[c.offset - base:] for every chunk c; replies fill out[c.offset:].
 
-        Each chunk is converted to the wire dtype and queued on its own, so the
-        first chunks are on the wire while later ones are still converted.
+        Each chunk is narrowed straight into the payload of its message (a
+        buffer the link recycles once no one can resend it) and queued on its
+        own, so the first chunks are on the wire while later ones are still
+        converted. values=None sends -0.0 (x + -0.0 == x, also for x = -0.0):
+        a broadcast's non-root ranks.
         """
-        operation = _Operation(self, key, round_, out, result, dtype, chunks,
-                               time.monotonic() + self.timeout)
-        if not chunks:
-            operation.future.set_result(result)
+        operation = Operation(key, round_, out, result, dtype, chunks,
+                              time.monotonic() + self.timeout, self._settled)
+        if operation.settled:  # no chunks
             return operation
-        with self._lock:
-            self._active[id(operation)] = operation
         try:
-            for chunk in chunks:
-                begin = chunk.offset - base
-                encoded = convert.to_wire(values[begin:begin + chunk.numel], dtype)
-                message = encode_shard(
-                    job=self.job, rank=rank, world_size=world_size, round=round_,
-                    key=key, offset=chunk.offset, dtype=dtype, op=op,
-                    layout=self._layouts[chunk.daemon], data=encoded.data.cast("B"))
-                self._links[chunk.daemon].send((key, round_, chunk.offset), message,
-                                               operation.handler(chunk))
+            self._inflight.add(operation)
+            for index, chunk in enumerate(chunks):
+                link = self._links[chunk.daemon]
+                encoder = ShardEncoder(job=self.job, rank=rank, world_size=world_size,
+                                       round=round_, key=key, offset=chunk.offset,
+                                       dtype=dtype, op=op, layout=self._layouts[chunk.daemon],
+                                       data_nbytes=dtypes.wire_nbytes(dtype, chunk.numel))
+                message = link.message((key, chunk.offset), encoder.nbytes)
+                payload = encoder.write_into(message.shard)
+                if values is None:
+                    assert dtype == pb.DTYPE_FLOAT32, "only broadcast sends zeros"
+                    np.frombuffer(payload, dtype="<f4").fill(-0.0)
+                else:
+                    begin = chunk.offset - base
+                    convert.to_wire(values[begin:begin + chunk.numel], dtype, out=payload)
+                link.send((key, round_, chunk.offset), message, operation.handler(index),
+                          operation.deadline_s)
         except ReducerError as exc:
             operation.fail(exc)
         return operation
 
-    def _retire(self, operation: _Operation) -> None:
-        with self._lock:
-            self._active.pop(id(operation), None)
-
-    def _forget(self, operation: _Operation) -> None:
-        """Drop the failed operation's chunks from every link."""
-        by_link: dict[int, list] = defaultdict(list)
+    def _settled(self, operation: Operation, error: ReducerError | None) -> None:
+        """Stop watching the operation; if it failed, drop its chunks from every link."""
+        self._inflight.discard(operation)
+        if error is None:
+            return
+        by_link: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
         for chunk in operation.chunks:
             by_link[chunk.daemon].append((operation.key, operation.round, chunk.offset))
         for daemon, keys in by_link.items():
             self._links[daemon].forget(keys)
 
-    def _watch(self) -> None:
-        """Fail operations past their deadline, so nothing waits for ever."""
-        while not self._wake.wait(0.1):
-            now = time.monotonic()
-            if self._node is not None:
-                self._node.check_deadlines(now)
-            with self._lock:
-                late = [op for op in self._active.values() if op.deadline_s <= now]
-            for operation in late:
-                operation.fail(self._timeout_error(operation))
-
-    def _timeout_error(self, operation: _Operation) -> ReducerError:
+    def _timeout_error(self, operation: Operation) -> ReducerError:
         where = (f"job {self.job!r} key {operation.key!r} round {operation.round} "
                  f"(rank {self.rank} of {self.world_size})")
         daemons = {chunk.daemon for chunk in operation.chunks}
-        broken = [self._links[d] for d in sorted(daemons) if self._links[d].last_error]
+        broken = [(link, link.last_error) for link in (self._links[d] for d in sorted(daemons))
+                  if link.last_error is not None]
         if broken:
-            reasons = "; ".join(f"{link.last_error}" for link in broken)
-            return ReducerError(grpc.StatusCode.UNAVAILABLE,
+            reasons = "; ".join(f"{error}" for _, error in broken)
+            first = broken[0][1]
+            return ReducerError(first.code if first.retryable else grpc.StatusCode.UNAVAILABLE,
                                 f"{where}: cannot reach daemon(s) "
-                                f"{', '.join(link.address for link in broken)} within "
-                                f"{self.timeout:g} s: {reasons}")
+                                f"{', '.join(link.address for link, _ in broken)} within "
+                                f"{self.timeout:g} s: {reasons}", retryable=True)
         return ReducerError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"{where}: no result within {self.timeout:g} s")

@@ -17,6 +17,14 @@ pair, e.g. from Open MPI's OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE, or
 SLURM_LOCALID / SLURM_NTASKS_PER_NODE. Ranks are assumed node-major (node =
 rank // local size, torchrun's default); REDUCER_NODE_RANK names the node
 otherwise. REDUCER_NODE_LOCAL=0 turns node-local aggregation off.
+
+REDUCER_WIRE_NUMPY=1 converts to and from the wire dtypes in NumPy instead of
+reducer_wire's C kernels (same bits, slower; for comparison).
+
+settings_from_env(mapping) reads that mapping alone and returns every
+setting, the documented defaults where a variable is unset; from_env passes
+them all, and the mapping itself for REDUCER_WIRE_NUMPY, so a client built
+from a mapping reads nothing else. Nothing here is read at import.
 """
 
 from __future__ import annotations
@@ -27,10 +35,14 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env",
-           "data_plane_from_env", "wire_numpy_from_env", "DATA_PLANES"]
+           "data_plane_from_env", "wire_numpy_from_env", "DATA_PLANES",
+           "DEFAULT_WIRE_DTYPE", "DEFAULT_TIMEOUT_S"]
 
 # How shards may travel (ReducerClient(data_plane=...), REDUCER_DATA_PLANE).
 DATA_PLANES = ("auto", "tcp", "grpc")
+# ReducerClient's defaults, here so that the constructor and this module share them.
+DEFAULT_WIRE_DTYPE = "float16"
+DEFAULT_TIMEOUT_S = 60.0
 
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -88,7 +100,11 @@ def local_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[st
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """ReducerClient keyword arguments from the environment."""
+    """Every ReducerClient keyword argument, from `environ` alone (default os.environ).
+
+    Unset variables give the constructor's documented defaults, so a client
+    built from these reads nothing else.
+    """
     environ = os.environ if environ is None else environ
     addresses = [a.strip() for a in environ.get("REDUCER_ADDRESSES", "").split(",")
                  if a.strip()]
@@ -96,21 +112,25 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         raise ValueError("REDUCER_ADDRESSES is not set: give the daemons as "
                          "HOST:PORT,HOST:PORT")
     rank, world_size = rank_and_size_from_env(environ)
+    timeout = environ.get("REDUCER_TIMEOUT")
+    try:
+        timeout_s = float(timeout) if timeout else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"REDUCER_TIMEOUT={timeout!r} is not a number of seconds") from None
     settings: dict[str, Any] = {
         "addresses": addresses,
         "job": environ.get("REDUCER_JOB", "default"),
         "rank": rank,
         "world_size": world_size,
         "token": environ.get("REDUCER_TOKEN") or None,
+        "wire_dtype": environ.get("REDUCER_WIRE_DTYPE") or DEFAULT_WIRE_DTYPE,
+        "timeout": timeout_s,
+        "chunk_bytes": (_int(environ, "REDUCER_CHUNK_BYTES")
+                        if environ.get("REDUCER_CHUNK_BYTES") else None),
+        "data_plane": data_plane_from_env(environ),
+        "tls": None,
+        "local_rank": 0, "local_size": 1, "node_rank": None, "node_local": True,
     }
-    if environ.get("REDUCER_WIRE_DTYPE"):
-        settings["wire_dtype"] = environ["REDUCER_WIRE_DTYPE"]
-    if environ.get("REDUCER_TIMEOUT"):
-        settings["timeout"] = float(environ["REDUCER_TIMEOUT"])
-    if environ.get("REDUCER_DATA_PLANE"):
-        settings["data_plane"] = data_plane_from_env(environ)
-    if environ.get("REDUCER_CHUNK_BYTES"):
-        settings["chunk_bytes"] = _int(environ, "REDUCER_CHUNK_BYTES")
     tls_files = {field: environ.get(f"REDUCER_TLS_{name}") or None
                  for field, name in (("ca_file", "CA"), ("cert_file", "CERT"),
                                      ("key_file", "KEY"), ("server_name", "SERVER_NAME"))}
@@ -118,7 +138,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         from reducer_client.tls import TLSConfig
 
         settings["tls"] = TLSConfig(**tls_files)
-    elif environ.get("REDUCER_TLS", "").lower() in ("1", "true", "yes"):
+    elif environ.get("REDUCER_TLS", "").lower() in _TRUE:
         settings["tls"] = True
     settings.update(local_settings_from_env(environ))
     return settings

@@ -1,35 +1,68 @@
-"""The one exception type of the client, with the gRPC status code."""
+"""The one exception type of the client, with the gRPC status code, and which
+failures are worth a retry.
+
+Retried by the link itself, within each chunk's deadline (the client's
+timeout), with a backoff of 50 ms doubling to 1 s: a stream that broke or
+could not start because the daemon went away (UNAVAILABLE: restart, drain,
+network), or because the daemon refused the connection for capacity
+(RESOURCE_EXHAUSTED at the stream level: too many data-plane connections).
+What is still unanswered at the deadline fails with that last reason.
+
+Not retried: a chunk the daemon failed in band, whatever its code (a chunk
+over `--max-inflight-bytes` or the open-chunk limit is RESOURCE_EXHAUSTED and
+fails its operation at once, naming the limit), a message over the daemon's
+size limit, and everything else (bad input, ranks that disagree, a missing
+rank, auth): they would fail the same way again.
+
+`ReducerError.retryable` tells a caller whether calling again can help: True
+for UNAVAILABLE and for a connection refused for capacity, False otherwise.
+"""
 
 from __future__ import annotations
 
 import grpc
 from reducer_wire.codes import status_code_from_value
 
-__all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value"]
+__all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value", "stream_error"]
 
-# Codes worth retrying: the daemon went away (restart, drain) or was busy.
-# Everything else (bad input, mismatch between ranks, a missing rank, auth)
-# would fail the same way again.
+# Codes a retry can help whatever the context: the daemon went away.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# gRPC's own RESOURCE_EXHAUSTED for a message over a size limit: a
+# configuration problem, not a busy daemon.
+_MESSAGE_TOO_LARGE = "larger than max"
 
 
 class ReducerError(RuntimeError):
     """A reduction failed. `code` is the grpc.StatusCode, str(err) the reason.
 
     The message names the daemon address and, where the daemon said so, the
-    job, key, round and ranks involved.
+    job, key, round and ranks involved. retryable: whether a retry can help
+    (default: the code is in RETRYABLE_CODES).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 retryable: bool | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self._retryable = code in RETRYABLE_CODES if retryable is None else retryable
 
     @property
     def retryable(self) -> bool:
-        return self.code in RETRYABLE_CODES
+        return self._retryable
 
     def __reduce__(self):  # picklable across worker processes
-        return (type(self), (self.code, str(self)))
+        return (type(self), (self.code, str(self), self._retryable))
 
     def __repr__(self) -> str:
         return f"ReducerError({self.code.name}, {str(self)!r})"
+
+
+def stream_error(code: grpc.StatusCode, message: str) -> ReducerError:
+    """The error of a stream that ended or could not start with `code`.
+
+    RESOURCE_EXHAUSTED here is a daemon refusing a connection for capacity:
+    worth a retry with backoff (the link's, within the deadline), unless it
+    is gRPC's "message larger than max".
+    """
+    busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE not in message
+    return ReducerError(code, message, retryable=True if busy else None)

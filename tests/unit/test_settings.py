@@ -24,9 +24,9 @@ def test_flags_override_toml(tmp_path):
     assert config.round_timeout_s == 3.5 and config.max_inflight_bytes == 4096
 
 
-def test_listen_is_required():
-    with pytest.raises(ConfigError, match="listen"):
-        parse()
+def test_listen_defaults_to_loopback():
+    """Contract section 3: `reducerd` alone runs, on loopback only."""
+    assert parse().listen == "127.0.0.1:7070"
 
 
 def test_from_env_reducer_variables():
@@ -34,7 +34,11 @@ def test_from_env_reducer_variables():
                                   "REDUCER_RANK": "3", "REDUCER_WORLD_SIZE": "8",
                                   "REDUCER_TOKEN": "s3cret", "REDUCER_WIRE_DTYPE": "bfloat16"})
     assert settings == {"addresses": ["h1:1", "h2:2"], "job": "bert", "rank": 3,
-                        "world_size": 8, "token": "s3cret", "wire_dtype": "bfloat16"}
+                        "world_size": 8, "token": "s3cret", "wire_dtype": "bfloat16",
+                        # every other setting explicit, at its documented default:
+                        "timeout": 60.0, "chunk_bytes": None, "data_plane": "auto",
+                        "tls": None, "local_rank": 0, "local_size": 1, "node_rank": None,
+                        "node_local": True}
 
 
 @pytest.mark.parametrize("env,expected", [
@@ -93,3 +97,62 @@ def test_bad_data_plane_is_a_clear_error():
     from reducer_client import ReducerClient
     with pytest.raises(ValueError, match="data_plane must be one of"):
         ReducerClient(["127.0.0.1:1"], "j", 0, 1, data_plane="udp")
+
+
+# What os.environ says in the tests below: were it read, the client would
+# differ in its data plane, its conversions and its node group (L = 2).
+OTHER_ENVIRONMENT = {"REDUCER_DATA_PLANE": "tcp", "REDUCER_WIRE_NUMPY": "1",
+                     "REDUCER_LOCAL_RANK": "0", "REDUCER_LOCAL_SIZE": "2",
+                     "REDUCER_NODE_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+
+
+@pytest.fixture
+def other_environment(monkeypatch):
+    from reducer_wire import convert
+    for name, value in OTHER_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+    previous = convert.use_accelerator(True)
+    yield
+    convert.use_accelerator(previous)
+
+
+def _chain(client):
+    return [[t.name for t in link._transports] for link in client._links]
+
+
+def test_from_env_mapping_is_read_alone(other_environment):
+    """from_env(mapping) reads nothing from os.environ: not the data plane,
+    not REDUCER_WIRE_NUMPY, not the node-local settings."""
+    from reducer_client import ReducerClient
+    from reducer_wire import convert
+    mapping = {"REDUCER_ADDRESSES": "127.0.0.1:1", "REDUCER_RANK": "1",
+               "REDUCER_WORLD_SIZE": "2", "REDUCER_JOB": "mapping-only"}
+    with ReducerClient.from_env(mapping) as client:
+        assert client._node is None and (client.local_rank, client.local_size) == (0, 1)
+        assert _chain(client) == [["tcp", "grpc"]]  # auto, not os.environ's tcp
+        assert convert.accelerated() == _kernels_built()
+        assert client.job == "mapping-only" and client.timeout == 60.0
+    with ReducerClient.from_env({**mapping, "REDUCER_WIRE_NUMPY": "1",
+                                 "REDUCER_DATA_PLANE": "grpc"}) as client:
+        assert not convert.accelerated() and _chain(client) == [["grpc"]]
+
+
+def test_the_constructor_keeps_its_environment_defaults(other_environment, monkeypatch):
+    """Called directly, the documented defaults still come from os.environ."""
+    from reducer_client import ReducerClient
+    from reducer_wire import convert
+    monkeypatch.setenv("REDUCER_NODE_LOCAL", "0")  # no node group for this one
+    with ReducerClient(["127.0.0.1:1"], "j", 0, 2) as client:
+        assert _chain(client) == [["tcp"]] and not convert.accelerated()
+        assert (client.local_rank, client.local_size) == (0, 2) and client._node is None
+
+
+def _kernels_built():
+    import importlib.util
+    return importlib.util.find_spec("reducer_wire._kernels") is not None
+
+
+def test_bad_timeout_is_a_clear_error():
+    with pytest.raises(ValueError, match="REDUCER_TIMEOUT='soon' is not a number"):
+        settings_from_env({"REDUCER_ADDRESSES": "h:1", "REDUCER_RANK": "0",
+                           "REDUCER_WORLD_SIZE": "1", "REDUCER_TIMEOUT": "soon"})

@@ -37,7 +37,6 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Protocol
@@ -46,6 +45,7 @@ import grpc
 import numpy as np
 from reducer_wire import dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.framing import shutdown_quietly
 
 from reducer_client.errors import ReducerError
 from reducer_client.node.coordinator import Coordinator, encode
@@ -80,8 +80,7 @@ class _NodeOp:
                  out_dtype: np.dtype, dtype: int, op: int, deadline_s: float,
                  out: np.ndarray | None = None) -> None:
         self.key, self.round, self.numel, self.shape = key, round_, numel, shape
-        self.out = out
-        self.out_dtype, self.dtype, self.op = out_dtype, dtype, op
+        self.out, self.out_dtype, self.dtype, self.op = out, out_dtype, dtype, op
         self.deadline_s = deadline_s
         self.future: Future[np.ndarray] = Future()
         self.future.set_running_or_notify_cancel()
@@ -184,10 +183,7 @@ class NodeGroup:
         _groups.discard(self)
         self._abort(ReducerError(grpc.StatusCode.CANCELLED, "client closed"), sweep=False)
         self._send(["bye"])
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_quietly(self._sock)
         self._sock.close()
         if self._coordinator is not None:
             self._coordinator.close()
@@ -354,13 +350,10 @@ class NodeGroup:
         if tell:
             self._send(["fail", node_op.key, node_op.round, error.code.name, str(error)])
         self._send(["release", node_op.key, node_op.round])
-        self._work_or_now(node_op.future.set_exception, error)
-
-    def _work_or_now(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self._work.submit(fn, *args)
-        except RuntimeError:  # shut down: run the callback here
-            fn(*args)
+        try:  # the callers' callbacks run on the work thread, or here once it is shut down
+            self._work.submit(node_op.future.set_exception, error)
+        except RuntimeError:
+            node_op.future.set_exception(error)
 
     def _late(self, node_op: _NodeOp) -> ReducerError:
         waiting = {"join": "the node's coordinator", "inputs": "the other local workers",

@@ -1,25 +1,27 @@
-"""One daemon: a long-lived channel and one stream of shards at a time.
+"""One daemon: a long-lived link and one stream of shards at a time.
 
-Shards go out through a queue that a sender thread drains (gRPC's own, or the
-data plane's), replies come back on a reader thread, so sending and receiving
+Shards go out through a queue that the transport drains on a thread of its
+own, replies come back on the link's reader thread, so sending and receiving
 overlap and any number of chunks can be in flight. Replies are matched to
-waiting chunks by (key, round, offset); the daemon reports a failed chunk
-in-band (on gRPC we ask for that with call metadata) so one bad chunk does not
-end the stream.
+waiting chunks by (key, round, offset); the daemon reports a failed chunk in
+band, so one bad chunk does not end the stream.
 
-Transport: where the daemon offers a TCP data plane (GetStatus.data_port,
-reducer_client.transport.tcp) and TLS is off, the same messages go over a plain
-socket, which costs both ends far less CPU than gRPC Python; otherwise over
-the Reduce stream. `data_plane` chooses: "auto" (the default: TCP if offered
-and reachable, else gRPC), "tcp" or "grpc".
+Transports (base.py): a Control (the daemon's brief status: its data port and
+round timeout) and the transports tried in order at each stream. By default
+the real ones: data_plane "auto" is [TCP data plane, gRPC] (the data plane is
+much cheaper, gRPC takes over where the daemon offers none or it cannot be
+reached), "tcp" or "grpc" insist on one; with TLS only gRPC. Tests inject the
+in-process fake (fake.py).
 
-Recovery: when the stream breaks with a retryable status (the daemon restarted
-or went away), the link opens a new stream, waits for the daemon, and resends
-first its contribution to the last completed round of every chunk it has seen
-(the contract keeps it until the next round of that chunk completes), then
-every contribution still waiting. The daemon counts each rank once, so ranks
-that missed a result get it and the others ignore the repeat. That costs one
-wire copy of this daemon's share of the model in client memory.
+Recovery: when the stream breaks with a retryable status (errors.py: the
+daemon restarted or went away, or refused the connection for capacity), the
+link opens a new stream with a backoff that no chunk's deadline outlasts,
+resends first its contribution to the last completed round of every chunk
+that a daemon may still need (history.py: bounded by the daemon's round
+timeout and a count), then every contribution still waiting. The daemon
+counts each rank once, so ranks that missed a result get it and the others
+ignore the repeat. Chunks still unanswered at their deadline fail with the
+last reason.
 """
 
 from __future__ import annotations
@@ -28,18 +30,21 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import grpc
-from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import ShardView, decode_shard
+from reducer_wire.codec import ShardView
 
 from reducer_client.env import DATA_PLANES
-from reducer_client.errors import ReducerError, status_code_from_value
-from reducer_client.transport.tcp import StreamBroken, TcpStream
+from reducer_client.errors import ReducerError, status_code_from_value, stream_error
+from reducer_client.transport.base import Control, NotOffered, Transport, TransportError
+from reducer_client.transport.grpc import MAX_MESSAGE_BYTES, GrpcTransport
+from reducer_client.transport.history import Message, SendHistory, Slot
+from reducer_client.transport.tcp import TcpTransport
 
-__all__ = ["DaemonLink", "ReplyHandler", "status_code_from_value", "DATA_PLANES"]
+__all__ = ["DaemonLink", "ReplyHandler", "PendingKey", "real_transports",
+           "status_code_from_value", "DATA_PLANES"]
 
 log = logging.getLogger("reducer_client")
 
@@ -47,101 +52,138 @@ log = logging.getLogger("reducer_client")
 PendingKey = tuple[str, int, int]
 # Called on the reader thread with the reply, or with None and an error.
 ReplyHandler = Callable[[ShardView | None, ReducerError | None], None]
-_REDUCE_METHOD = "/reducer.v1.Reducer/Reduce"
-_STATUS_METHOD = "/reducer.v1.Reducer/GetStatus"
-_DISCOVERY_TIMEOUT_S = 5.0
-
 _CLOSE = object()
-MAX_MESSAGE_BYTES = 64 << 20
-# A restarted daemon is found within ~1 s; gRPC's default backoff grows to 120 s.
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-# Backoff between stream attempts: 0, 50 ms, 100 ms, ... up to 1 s. Retries go
-# on while chunks wait; each operation's deadline (the client's timeout) bounds them.
+# Backoff between stream attempts: 0, 50 ms, 100 ms, ... up to 1 s.
 _FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
+
+
+class _Pending(NamedTuple):
+    handler: ReplyHandler
+    message: Message
+    deadline_s: float  # time.monotonic() after which no retry is made for it
+
+
+def real_transports(address: str, metadata: Sequence[tuple[str, str]] = (),
+                    credentials: grpc.ChannelCredentials | None = None,
+                    extra_options: Sequence[tuple[str, Any]] = (), token: str = "",
+                    data_plane: str = "auto") -> tuple[Control, list[Transport]]:
+    """The daemon's gRPC service (also the Control) and, unless TLS is on or
+    data_plane is "grpc", its TCP data plane first."""
+    service = GrpcTransport(address, metadata, credentials, extra_options)
+    if credentials is not None:  # the TCP data plane is not encrypted
+        return service, [service]
+    tcp = TcpTransport(address.rpartition(":")[0].strip("[]"), token, MAX_MESSAGE_BYTES)
+    chains: dict[str, list[Transport]] = {"auto": [tcp, service], "tcp": [tcp],
+                                          "grpc": [service]}
+    return service, chains[data_plane]
 
 
 class DaemonLink:
     """The client's connection to one daemon; thread-safe."""
 
-    def __init__(self, address: str, metadata: Sequence[tuple[str, str]],
+    def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = (),
                  credentials: grpc.ChannelCredentials | None = None,
                  extra_options: Sequence[tuple[str, Any]] = (), *, token: str = "",
-                 data_plane: str = "auto") -> None:
+                 data_plane: str = "auto", transports: Sequence[Transport] | None = None,
+                 control: Control | None = None) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         if credentials is not None and data_plane == "tcp":
             raise ValueError("data_plane='tcp' has no TLS: use 'auto' or 'grpc' with tls")
+        if transports is None:
+            control, transports = real_transports(address, metadata, credentials,
+                                                  extra_options, token, data_plane)
+        if control is None or not transports:
+            raise ValueError("give a control and at least one transport, or neither")
         self.address = address
-        self._host = address.rpartition(":")[0].strip("[]")
-        self._token = token
-        # gRPC only with TLS: the TCP data plane is not encrypted.
-        self._data_plane = "grpc" if credentials is not None else data_plane
-        # What the current (or last) stream uses: "tcp" or "grpc"; None before the first.
+        self._control = control
+        self._transports = list(transports)
+        # What the current (or last) stream uses: "tcp", "grpc"; None before the first.
         self.transport: str | None = None
-        self._warned_fallback = False
-        options = [*_CHANNEL_OPTIONS, *extra_options]
-        self._channel = (grpc.secure_channel(address, credentials, options) if credentials
-                         else grpc.insecure_channel(address, options))
-        # Requests go out as bytes made by reducer_wire.codec.encode_shard and replies
-        # come back as ShardViews whose data is a view into the message:
-        # no protobuf copies of the data on either way.
-        self._reduce = self._channel.stream_stream(_REDUCE_METHOD,
-                                                   response_deserializer=decode_shard)
-        self._status = self._channel.unary_unary(
-            _STATUS_METHOD, request_serializer=pb.StatusRequest.SerializeToString,
-            response_deserializer=pb.StatusReply.FromString)
-        self._auth_metadata = tuple(metadata)
-        self._metadata = (*metadata, ("reducer-errors", "inband"))
+        self._warned: set[str] = set()  # transports whose fallback was logged
         # Why the last stream failed, or None once a reply came back since.
         self.last_error: ReducerError | None = None
-        # _lock guards _pending, _completed, _outbox, _retries and _closed; taken
-        # by callers of send() and by the reader thread. Handlers run outside it.
+        # _lock guards _pending, _history, _outbox, _retries, _alive_s,
+        # _streams_opened, _closed and Message.queued; taken by callers of
+        # send(), the reader thread and the transports' sender threads.
+        # Handlers run outside it.
         self._lock = threading.Lock()
-        self._pending: dict[PendingKey, tuple[ReplyHandler, bytes]] = {}
-        # (key, offset) -> our contribution to the last completed round.
-        self._completed: dict[tuple[str, int], bytes] = {}
+        self._pending: dict[PendingKey, _Pending] = {}
+        self._history = SendHistory()
         self._outbox: queue.SimpleQueue[Any] | None = None
         self._retries = 0
         self._streams_opened = 0
+        self._alive_s = time.monotonic()  # when the daemon last answered
         self._closed = False
+        self._closing = threading.Event()  # cuts a backoff short at close()
 
     @property
     def reconnects(self) -> int:
         """Streams opened after the first (each resent what was open)."""
         return max(0, self._streams_opened - 1)
 
-    def send(self, key: PendingKey, message: bytes, handler: ReplyHandler) -> None:
-        """Queue one encoded shard for the daemon; `handler` gets its reply."""
+    @property
+    def history(self) -> SendHistory:
+        """The completed contributions kept for a resend (tests, diagnostics)."""
+        return self._history
+
+    def message(self, slot: Slot, nbytes: int) -> Message:
+        """A buffer for an nbytes Shard of slot (key, offset): recycled when one is free."""
+        with self._lock:
+            return self._history.message(slot, nbytes)
+
+    def send(self, key: PendingKey, message: Message, handler: ReplyHandler,
+             deadline_s: float = float("inf")) -> None:
+        """Queue one encoded shard for the daemon; `handler` gets its reply, or
+        the error it failed with (at the latest just after deadline_s)."""
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
             if self._outbox is None:
                 self._open_stream()
             assert self._outbox is not None
-            self._pending[key] = (handler, message)
-            self._outbox.put(message)
+            self._pending[key] = _Pending(handler, message, deadline_s)
+            self._put(self._outbox, message)
 
-    def forget(self, keys: Sequence[PendingKey]) -> None:
+    def forget(self, keys: Iterable[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
         with self._lock:
             for key in keys:
                 self._pending.pop(key, None)
 
     def close(self) -> None:
-        """Half-close the stream (the daemon answers what is open), close the channel."""
+        """Half-close the stream, close the transports (open chunks are not answered)."""
         with self._lock:
             self._closed = True
             outbox, self._outbox = self._outbox, None
+        self._closing.set()
         if outbox is not None:
             outbox.put(_CLOSE)
-        self._channel.close()
+        parts: list[Transport | Control] = [*self._transports, self._control]
+        for part in {id(p): p for p in parts}.values():  # gRPC's is both: closed once
+            part.close()
+
+    # -- the stream -----------------------------------------------------------
+
+    def _put(self, outbox: queue.SimpleQueue[Any], message: Message) -> None:
+        """Queue `message` (caller holds _lock)."""
+        message.queued += 1
+        outbox.put(message)
+
+    def _drain(self, outbox: queue.SimpleQueue[Any]) -> Iterator[memoryview]:
+        """The requests of one stream, on the transport's sender thread. Asking
+        for the next item means the transport is done with the previous one."""
+        previous: Message | None = None
+        while True:
+            item = outbox.get()
+            if previous is not None:
+                with self._lock:
+                    previous.queued -= 1
+                previous = None
+            if item is _CLOSE:
+                return
+            previous = item
+            yield item.frame
 
     def _open_stream(self) -> None:
         """Open a new stream (caller holds _lock); after the first, resend history.
@@ -153,70 +195,66 @@ class DaemonLink:
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbox = outbox
         if self._streams_opened:
-            for message in self._completed.values():
-                outbox.put(message)
+            for message in self._history.resendable(self._alive_s):
+                self._put(outbox, message)
         self._streams_opened += 1
         threading.Thread(target=self._read, args=(outbox,), daemon=True,
                          name=f"reducer-link-{self.address}").start()
 
-    def _open_replies(self, requests: Iterable[bytes]) -> Iterable[ShardView]:
-        """Start a stream of `requests` on the data plane or gRPC; its replies.
-
-        Runs on the reader thread: finding the data port and connecting block.
-        """
-        if self._data_plane != "grpc":
-            port = self._status(pb.StatusRequest(brief=True), metadata=self._auth_metadata,
-                                timeout=_DISCOVERY_TIMEOUT_S).data_port
-            if port:
-                stream = TcpStream(self._host, port, self._token, requests, MAX_MESSAGE_BYTES)
-                try:
-                    stream.connect()
-                    self.transport = "tcp"
-                    return stream
-                except OSError as exc:
-                    if self._data_plane == "tcp":
-                        raise StreamBroken(grpc.StatusCode.UNAVAILABLE, f"cannot connect to "
-                                           f"data port {port}: {exc}") from None
-                    # This stream goes through gRPC; the next one tries TCP again.
-                    if not self._warned_fallback:
-                        self._warned_fallback = True
-                        log.warning("daemon %s: data port %d unreachable (%s); sending "
-                                    "data through gRPC", self.address, port, exc)
-            elif self._data_plane == "tcp":
-                raise StreamBroken(grpc.StatusCode.FAILED_PRECONDITION,
-                                   "the daemon offers no TCP data plane (reducerd "
-                                   "--data-listen)")
-        # No wait_for_ready: a daemon that is down or refuses the handshake fails
-        # the call at once with gRPC's reason, which we retry and report.
-        self.transport = "grpc"
-        return self._reduce(requests, metadata=self._metadata)
+    def _open_replies(self, requests: Iterator[memoryview]) -> Iterable[ShardView]:
+        """Start a stream of `requests` on the first transport that reaches the
+        daemon; its replies. Runs on the reader thread: this blocks."""
+        daemon = self._control.brief_status()
+        if daemon.round_timeout_s:
+            with self._lock:
+                self._history.round_timeout_s = daemon.round_timeout_s
+        for index, transport in enumerate(self._transports):
+            try:
+                replies = transport.open(requests, daemon)
+            except NotOffered as exc:
+                if index == len(self._transports) - 1:
+                    raise
+                if not exc.quiet and transport.name not in self._warned:
+                    self._warned.add(transport.name)  # said once; each stream tries it again
+                    log.warning("daemon %s: %s unreachable (%s); sending data through %s",
+                                self.address, transport.label, exc.details,
+                                self._transports[index + 1].label)
+                continue
+            self.transport = transport.name
+            return replies
+        raise AssertionError("unreachable: the last transport returned or raised")
 
     def _read(self, outbox: queue.SimpleQueue[Any]) -> None:
         error: ReducerError | None = None
         try:
-            for reply in self._open_replies(iter(outbox.get, _CLOSE)):
-                with self._lock:
-                    entry = self._pending.pop((reply.key, reply.round, reply.offset), None)
-                    if entry is not None and not reply.error_code:
-                        self._completed[(reply.key, reply.offset)] = entry[1]
-                        self._retries = 0
-                        self.last_error = None
-                if entry is None:
-                    continue  # a late reply to an operation that gave up, or a repeat
-                if reply.error_code:
-                    entry[0](None, ReducerError(status_code_from_value(reply.error_code),
-                                                f"daemon {self.address}: "
-                                                f"{reply.error_message}"))
-                else:
-                    entry[0](reply, None)
-        except grpc.RpcError as exc:
-            error = ReducerError(exc.code(), f"daemon {self.address}: {exc.details()}")
-        except StreamBroken as exc:
-            error = ReducerError(exc.code, f"daemon {self.address}: {exc.details}")
-        except Exception as exc:  # a bug in a handler must not hang the others
-            log.exception("reply handler failed")
-            error = ReducerError(grpc.StatusCode.INTERNAL, f"client error: {exc!r}")
+            for reply in self._open_replies(self._drain(outbox)):
+                self._deliver(reply)
+        except TransportError as exc:
+            error = stream_error(exc.code, f"daemon {self.address}: {exc.details}")
+        except Exception as exc:  # a bug here must not hang the waiting chunks
+            log.exception("daemon %s: reading the stream failed", self.address)
+            error = ReducerError(grpc.StatusCode.INTERNAL,
+                                 f"daemon {self.address}: client error: {exc!r}")
         self._stream_ended(outbox, error)
+
+    def _deliver(self, reply: ShardView) -> None:
+        now = time.monotonic()
+        with self._lock:
+            entry = self._pending.pop((reply.key, reply.round, reply.offset), None)
+            self._alive_s = now
+            if entry is not None and not reply.error_code:
+                self._history.completed((reply.key, reply.offset), reply.round,
+                                        entry.message, now)
+                self._retries = 0
+                self.last_error = None
+        if entry is None:
+            return  # a late reply to an operation that gave up, or a repeat
+        if reply.error_code:
+            _call(entry.handler, None, ReducerError(status_code_from_value(reply.error_code),
+                                                    f"daemon {self.address}: "
+                                                    f"{reply.error_message}"))
+        else:
+            _call(entry.handler, reply, None)
 
     def _stream_ended(self, outbox: queue.SimpleQueue[Any], error: ReducerError | None,
                       ) -> None:
@@ -235,18 +273,38 @@ class DaemonLink:
             attempt = self._retries
             self._retries += 1
             retry = retryable and not self._closed
-            if not retry:
-                failed, self._pending = self._pending, {}
-        if retry:
-            if attempt:
-                time.sleep(min(_MAX_RETRY_DELAY_S, _FIRST_RETRY_DELAY_S * 2 ** (attempt - 1)))
-            self._resend(error)
+            if retry:
+                first_deadline_s = min(p.deadline_s for p in self._pending.values())
+            else:
+                failed, self._pending = list(self._pending.values()), {}
+        if not retry:
+            error = error or ReducerError(grpc.StatusCode.UNAVAILABLE,
+                                          f"daemon {self.address} ended the stream with "
+                                          f"{len(failed)} chunk(s) unanswered")
+            for entry in failed:
+                _call(entry.handler, None, error)
             return
-        error = error or ReducerError(grpc.StatusCode.UNAVAILABLE,
-                                      f"daemon {self.address} ended the stream with "
-                                      f"{len(failed)} chunk(s) unanswered")
-        for handler, _ in failed.values():
-            handler(None, error)
+        if attempt:
+            delay_s = min(_MAX_RETRY_DELAY_S, _FIRST_RETRY_DELAY_S * 2 ** (attempt - 1))
+            self._closing.wait(max(0.0, min(delay_s, first_deadline_s - time.monotonic())))
+        self._fail_late(attempt + 1)
+        self._resend(error)
+
+    def _fail_late(self, attempts: int) -> None:
+        """Fail the chunks whose deadline passed while the daemon was unreachable."""
+        now = time.monotonic()
+        with self._lock:
+            late = [key for key, p in self._pending.items() if p.deadline_s <= now]
+            entries = [self._pending.pop(key) for key in late]
+            last = self.last_error
+        if not entries:
+            return
+        reason = str(last) if last else f"daemon {self.address} ended the stream early"
+        error = ReducerError(last.code if last else grpc.StatusCode.UNAVAILABLE,
+                             f"{reason} (no stream within the deadline, {attempts} "
+                             f"attempt(s))", retryable=last.retryable if last else True)
+        for entry in entries:
+            _call(entry.handler, None, error)
 
     def _resend(self, cause: ReducerError | None) -> None:
         with self._lock:
@@ -256,9 +314,18 @@ class DaemonLink:
                 self._open_stream()
             assert self._outbox is not None
             if self._retries <= 1:  # once per outage, not per attempt
-                log.warning("daemon %s: stream broke (%s); resending %d open and %d "
+                log.warning("daemon %s: stream broke (%s); resending %d open and up to %d "
                             "completed chunk(s)", self.address,
                             cause.code.name if cause else "ended early",
-                            len(self._pending), len(self._completed))
-            for _, message in self._pending.values():
-                self._outbox.put(message)
+                            len(self._pending), len(self._history))
+            for entry in self._pending.values():
+                self._put(self._outbox, entry.message)
+
+
+def _call(handler: ReplyHandler, reply: ShardView | None, error: ReducerError | None,
+          ) -> None:
+    """Run a reply handler; a bug in one must not stop the others' replies."""
+    try:
+        handler(reply, error)
+    except Exception:
+        log.exception("reply handler failed")

@@ -1,4 +1,4 @@
-"""The client's side of one TCP data-plane connection (reducer_wire.framing).
+"""The daemon's TCP data plane as a Transport (reducer_wire.framing).
 
 gRPC Python costs about a CPU-second per GB on each end (scripts/grpc_ceiling.py),
 more than the reduction itself. A daemon started with a data port (reducerd
@@ -6,6 +6,11 @@ more than the reduction itself. A daemon started with a data port (reducerd
 Shard messages, in-band errors included, over a plain socket. A connection
 that ends without a STATUS frame broke (UNAVAILABLE). gRPC keeps the control
 plane: health, GetStatus (which finds the data port) and the token check.
+
+Per chunk: the frame header is written into the message's headroom, so header
+and Shard leave with one sendall; a reply is read into one receive buffer that
+is reused for the next (a reply is consumed before the next is asked for, see
+base.py), so nothing is allocated per reply once it has grown to the largest.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import threading
 from collections.abc import Iterable, Iterator
 
 import grpc
+import numpy as np
 from reducer_wire.codec import DecodeError, ShardView, decode_shard
 from reducer_wire.framing import (
     HELLO,
@@ -25,22 +31,55 @@ from reducer_wire.framing import (
     TruncatedFrame,
     frame_header,
     parse_status,
-    read_frame,
-    send_frame,
+    recv_exactly,
     shutdown_quietly,
     tune_socket,
 )
 
-__all__ = ["StreamBroken", "TcpStream"]
+from reducer_client.transport.base import (
+    HEADROOM,
+    DaemonInfo,
+    NotOffered,
+    Transport,
+    TransportError,
+)
+
+__all__ = ["StreamBroken", "TcpStream", "TcpTransport"]
+
+# The name this module's callers knew; the seam's error now (base.py).
+StreamBroken = TransportError
+_FRAME_HEADER_BYTES = len(frame_header(SHARD, 0))
+assert _FRAME_HEADER_BYTES <= HEADROOM
 
 
-class StreamBroken(Exception):
-    """A data-plane connection ended with a status other than OK."""
+class TcpTransport(Transport):
+    """Streams over the data port that the daemon's brief status names."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
+    name = "tcp"
+    label = "the TCP data plane"
+
+    def __init__(self, host: str, token: str, max_message_bytes: int,
+                 connect_timeout_s: float = 5.0) -> None:
+        self.host = host
+        self._token = token
+        self._max_message_bytes = max_message_bytes
+        self._connect_timeout_s = connect_timeout_s
+
+    def open(self, requests: Iterator[memoryview], daemon: DaemonInfo,
+             ) -> Iterable[ShardView]:
+        port = daemon.data_port
+        if not port:
+            raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION,
+                             "the daemon offers no TCP data plane (reducerd --data-listen)",
+                             quiet=True)
+        stream = TcpStream(self.host, port, self._token, requests, self._max_message_bytes,
+                           self._connect_timeout_s)
+        try:
+            stream.connect()
+        except OSError as exc:
+            raise NotOffered(grpc.StatusCode.UNAVAILABLE,
+                             f"cannot connect to data port {port}: {exc}") from None
+        return stream
 
 
 class TcpStream:
@@ -48,10 +87,10 @@ class TcpStream:
 
     connect() runs on the caller's thread; a sender thread then drains
     `requests` (its end half-closes the connection), and iterating yields the
-    daemon's replies until it ends the stream with OK, or raises StreamBroken.
+    daemon's replies until it ends the stream with OK, or raises TransportError.
     """
 
-    def __init__(self, host: str, port: int, token: str, requests: Iterable[bytes],
+    def __init__(self, host: str, port: int, token: str, requests: Iterable[memoryview],
                  max_message_bytes: int, connect_timeout_s: float = 5.0) -> None:
         self.host, self.port = host, port
         self._token = token
@@ -72,9 +111,12 @@ class TcpStream:
                          name=f"reducer-tcp-send-{self.host}:{self.port}").start()
 
     def _send(self, sock: socket.socket) -> None:
+        start = HEADROOM - _FRAME_HEADER_BYTES
         try:
-            for message in self._requests:
-                send_frame(sock, SHARD, message)
+            for item in self._requests:
+                frame = item[start:]
+                frame[:_FRAME_HEADER_BYTES] = frame_header(SHARD, len(frame) - _FRAME_HEADER_BYTES)
+                sock.sendall(frame)
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             shutdown_quietly(sock)  # the reader sees the break and reports it
@@ -83,35 +125,45 @@ class TcpStream:
         sock = self._sock
         assert sock is not None, "connect() first"
         where = f"data port {self.host}:{self.port}"
+        header = bytearray(_FRAME_HEADER_BYTES)
+        payload = np.empty(0, dtype=np.uint8)  # grows to the largest reply, then reused
         try:
             while True:
                 try:
-                    frame = read_frame(sock, self._max_message_bytes)
+                    if not recv_exactly(sock, memoryview(header)):
+                        raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                                             f"{where}: the daemon closed the connection")
+                    kind, length = header[0], int.from_bytes(header[1:], "little")
+                    if kind not in (SHARD, STATUS):
+                        raise FrameError(f"unexpected frame kind {kind}")
+                    if length > self._max_message_bytes:
+                        raise FrameError(f"frame of {length} bytes is larger than the "
+                                         f"limit of {self._max_message_bytes} bytes")
+                    if payload.size < length:
+                        payload = np.empty(length, dtype=np.uint8)
+                    body = payload.data[:length]
+                    if length and not recv_exactly(sock, body):
+                        raise TruncatedFrame(f"connection ended inside a frame (0 of "
+                                             f"{length} bytes)")
                 except (OSError, TruncatedFrame) as exc:  # the daemon went away
-                    raise StreamBroken(grpc.StatusCode.UNAVAILABLE,
-                                       f"{where}: connection broke ({exc})") from None
+                    raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                                         f"{where}: connection broke ({exc})") from None
                 except FrameError as exc:
-                    raise StreamBroken(grpc.StatusCode.INTERNAL, f"{where}: {exc}") from None
-                if frame is None:
-                    raise StreamBroken(grpc.StatusCode.UNAVAILABLE,
-                                       f"{where}: the daemon closed the connection")
-                kind, payload = frame
+                    raise TransportError(grpc.StatusCode.INTERNAL, f"{where}: {exc}") from None
                 if kind == STATUS:
                     try:
-                        code, message = parse_status(payload)
+                        code, message = parse_status(body)
                     except FrameError as exc:
-                        raise StreamBroken(grpc.StatusCode.INTERNAL, f"{where}: {exc}") from None
+                        raise TransportError(grpc.StatusCode.INTERNAL,
+                                             f"{where}: {exc}") from None
                     if code == grpc.StatusCode.OK:
                         return
-                    raise StreamBroken(code, message)
-                if kind != SHARD:
-                    raise StreamBroken(grpc.StatusCode.INTERNAL,
-                                       f"{where}: unexpected frame kind {kind}")
+                    raise TransportError(code, message)
                 try:
-                    reply = decode_shard(payload)
+                    reply = decode_shard(body)
                 except DecodeError as exc:
-                    raise StreamBroken(grpc.StatusCode.INTERNAL,
-                                       f"{where}: malformed reply: {exc}") from None
+                    raise TransportError(grpc.StatusCode.INTERNAL,
+                                         f"{where}: malformed reply: {exc}") from None
                 yield reply
         finally:
             shutdown_quietly(sock)
