@@ -151,3 +151,18 @@ def test_aggregate_takes_the_slowest_rank_per_iteration():
     assert result["time_s"] == {"median": 3.0, "min": 2.0, "max": 4.0}
     assert result["algbw_GBps"] == pytest.approx(1024 / 3.0 / 1e9)
     assert result["busbw_GBps"] == pytest.approx(result["algbw_GBps"])  # 2(N-1)/N = 1
+
+
+def test_result_check_is_exact_but_on_the_8bit_wires():
+    from reducerd.bench.systems import _allowed_error
+
+    def spec(system, wire):
+        return {"system": system, "wire_dtype": wire, "world_size": 4}
+    for wire in ("float16", "bfloat16", "float32"):
+        assert _allowed_error(spec("reducerd", wire), 10) == 0.0
+    assert _allowed_error(spec("gloo-float16", "int8"), 10) == 0.0  # its own exact sums
+    # About two roundings of the wire's relative size, never much more.
+    for wire, rel in (("int8", 1 / 254), ("fp8_e4m3", 2 ** -4), ("fp8_e5m2", 2 ** -3)):
+        for system in ("reducerd", "reducerd-ddp-hook"):
+            allowed = _allowed_error(spec(system, wire), 10)
+            assert 2 * rel * 10 < allowed < 2.1 * rel * (1 + rel) * 10, (wire, allowed)
