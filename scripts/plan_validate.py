@@ -25,9 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from reducer_wire.dtypes import WIRE_DTYPES, wire_nbytes
+
 from reducerd.plan.capacity import ClusterSpec, plan_reducerd, plan_ring
 
-WIRE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 # The planner's daemon rate when a run reports none (CPU never bounds these runs).
 FALLBACK_RATE_GBPS = 1.2
 
@@ -35,7 +36,7 @@ FALLBACK_RATE_GBPS = 1.2
 def run_bench(n: int, d: int, args: argparse.Namespace) -> Path:
     out = args.out_dir / f"plan-n{n}-d{d}.json"
     command = [sys.executable, "-m", "reducerd", "bench", "--workers", str(n),
-               "--daemons", str(d), "--sizes", args.sizes, "--wire-dtype", "float16",
+               "--daemons", str(d), "--sizes", args.sizes, "--wire-dtype", args.wire_dtype,
                "--baselines", args.baselines, "--iters", str(args.iters),
                "--warmup", str(args.warmup), "--emulate-cluster", args.rate, "--json", str(out)]
     print("$", " ".join(command[1:]), flush=True)
@@ -47,12 +48,14 @@ def projection(config: dict[str, Any], size_bytes: int, system: str) -> float:
     """The planner's time per step for one bench result."""
     rate = config["rate_bytes_per_s"]
     daemons_cpu = config.get("reducerd_daemons") or {}
-    itemsize = WIRE_ITEMSIZE[config["wire_dtype"] if system == "reducerd"
-                             else system.removeprefix("gloo-")]
+    params = size_bytes // 4
+    dtype = WIRE_DTYPES[config["wire_dtype"] if system == "reducerd"
+                        else system.removeprefix("gloo-")]
     per_node = config.get("workers_per_node", 1)
     spec = ClusterSpec(
-        params=size_bytes // 4, wire_itemsize=itemsize, nodes=config["workers"] // per_node,
-        gpus_per_node=per_node, link_Bps=rate, daemon_link_Bps=rate,
+        params=params, wire_bytes_per_param=wire_nbytes(dtype, params) / params,
+        nodes=config["workers"] // per_node, gpus_per_node=per_node, link_Bps=rate,
+        daemon_link_Bps=rate,
         daemon_rate_Bps_per_core=(daemons_cpu.get("input_GB_per_cpu_s")
                                   or FALLBACK_RATE_GBPS) * 1e9,
         daemons=config["daemons"], chunk_bytes=config.get("chunk_bytes"),
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--daemons", default="1,2,4", help="D values (default 1,2,4)")
     parser.add_argument("--sizes", default="16M", help="float32 sizes (default 16M)")
     parser.add_argument("--rate", default="200mbit", help="link rate (default 200mbit)")
+    parser.add_argument("--wire-dtype", default="float16", choices=sorted(WIRE_DTYPES))
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--baselines", default="none",

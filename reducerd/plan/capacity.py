@@ -3,7 +3,7 @@
 Symbols (docs/scaling.md derives each line):
 
     N  worker nodes, G GPUs each (K = N x G ranks)
-    M  the model's gradient in the wire dtype, bytes (params x wire itemsize)
+    M  the model's gradient in the wire dtype, bytes (params x wire bytes each)
     Rw a worker node's link rate, Rd a daemon's (bytes per second, each way)
     D  daemons, each with its own link and c summing cores
     r  what one core sums: wire input bytes per CPU-second (reducerd's own
@@ -70,7 +70,9 @@ class ClusterSpec:
     """Everything a plan depends on; validated by `check()`."""
 
     params: int
-    wire_itemsize: int  # 2 for float16 and bfloat16, 4 for float32
+    # Wire bytes per parameter: 2 for float16 and bfloat16, 4 for float32, 1
+    # for fp8, 1 + 4/128 for int8 (a float32 scale per block of 128).
+    wire_bytes_per_param: float
     nodes: int  # N
     gpus_per_node: int  # G
     link_Bps: float  # Rw, bytes per second each way
@@ -84,7 +86,12 @@ class ClusterSpec:
 
     @property
     def model_bytes(self) -> int:
-        return self.params * self.wire_itemsize
+        return math.ceil(self.params * self.wire_bytes_per_param)
+
+    @property
+    def wire_itemsize(self) -> int:
+        """Bytes per element as the client's layout counts them (1 for 8-bit wires)."""
+        return max(1, int(self.wire_bytes_per_param))
 
     @property
     def ranks(self) -> int:
@@ -106,8 +113,9 @@ class ClusterSpec:
                 raise ValueError(f"{flag} must be a positive rate, got {rate}")
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"--latency must be >= 0, got {self.latency_s}")
-        if self.wire_itemsize not in (2, 4):
-            raise ValueError(f"wire itemsize must be 2 or 4 bytes, got {self.wire_itemsize}")
+        if not (0 < self.wire_bytes_per_param <= 8):
+            raise ValueError("wire bytes per parameter must be in (0, 8], got "
+                             f"{self.wire_bytes_per_param}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from reducer_wire.dtypes import WIRE_DTYPES, wire_itemsize
+from reducer_wire.dtypes import WIRE_DTYPES, wire_nbytes
 
 from reducerd.plan.capacity import (
     ClusterSpec,
@@ -127,7 +127,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--overlap must be in [0, 1], got {args.overlap}")
     cores = _cores(args.daemon_cores, daemon_link, args.daemon_rate * 1e9, args.mtu)
     spec = ClusterSpec(
-        params=model.params, wire_itemsize=wire_itemsize(WIRE_DTYPES[args.wire_dtype]),
+        params=model.params, wire_bytes_per_param=wire_nbytes(
+            WIRE_DTYPES[args.wire_dtype], model.params) / model.params,
         nodes=args.workers, gpus_per_node=args.gpus_per_node, link_Bps=link,
         daemon_link_Bps=daemon_link, daemon_rate_Bps_per_core=args.daemon_rate * 1e9,
         daemon_cores=cores, daemons=args.daemons, chunk_bytes=args.chunk_bytes,

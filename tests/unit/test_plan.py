@@ -40,7 +40,7 @@ GBPS = 1e9
 
 def spec(nodes=4, gpus=1, daemons=None, link=GBPS, daemon_link=None, rate=1e12, cores=1,
          **kw) -> ClusterSpec:
-    return ClusterSpec(params=1_000_000, wire_itemsize=2, nodes=nodes, gpus_per_node=gpus,
+    return ClusterSpec(params=1_000_000, wire_bytes_per_param=2, nodes=nodes, gpus_per_node=gpus,
                        link_Bps=link, daemon_link_Bps=daemon_link or link,
                        daemon_rate_Bps_per_core=rate, daemon_cores=cores, daemons=daemons, **kw)
 
@@ -108,7 +108,7 @@ def test_daemons_needed_to_keep_worker_links_full(daemon_link, rate, cores, need
 def test_bottleneck_and_time_per_step_worked_example():
     """N = D = 4 at 200 Mbit/s (25e6 bytes/s), 16 MiB of float32 (8 MiB float16):
     chunks of 8 MiB / 64 = 128 KiB; time = 8 MiB / (25e6 e) + 128 KiB (4 + 4) / 25e6."""
-    s = ClusterSpec(params=4 << 20, wire_itemsize=2, nodes=4, gpus_per_node=1,
+    s = ClusterSpec(params=4 << 20, wire_bytes_per_param=2, nodes=4, gpus_per_node=1,
                     link_Bps=25e6, daemon_link_Bps=25e6, daemon_rate_Bps_per_core=1.2e9,
                     daemons=4)
     plan = plan_reducerd(s)
@@ -280,3 +280,12 @@ def test_the_planner_is_a_leaf():
         if inside:
             assert not any(n.startswith(("reducer_client", "reducerd.bench")) for n in names)
     assert capacity.MIN_CHUNK_BYTES == 64 << 10
+
+
+@pytest.mark.parametrize(("dtype", "model_bytes"), [
+    ("float32", 4_000_000), ("bfloat16", 2_000_000), ("fp8_e4m3", 1_000_000),
+    ("int8", 1_000_000 + 4 * 7813)])  # a float32 scale per block of 128 elements
+def test_wire_dtypes_size_the_model(dtype, model_bytes):
+    plan = plan_from_argv([*BASE, "--wire-dtype", dtype])
+    assert plan["inputs"]["model_bytes"] == model_bytes
+    assert plan["reducerd"]["worker_link_bytes"] == model_bytes
