@@ -8,6 +8,7 @@
     rt.broadcast_optimizer_state(opt, root_rank=0)
     t = rt.allreduce(tensor, name="x", op="mean")
     rt.rank(), rt.size(), rt.local_rank(), rt.local_size(), rt.shutdown()
+    rt.set_error_feedback(False)                # on by default for the 8-bit wires
 
 This package only converts tensors to and from NumPy and plugs into
 PyTorch's hook points; chunking, streams, retries and timeouts are the core's
@@ -17,6 +18,7 @@ reducer_client.ReducerError.
 
 from reducer_client.errors import ReducerError
 from reducer_client.torch._basics import basics as _basics
+from reducer_client.torch._tensors import set_error_feedback
 from reducer_client.torch.functions import (
     allreduce,
     broadcast_object,
@@ -51,6 +53,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "rank",
+    "set_error_feedback",
     "shutdown",
     "size",
 ]

@@ -30,8 +30,11 @@ import numpy as np
 import torch
 
 from reducer_client.api import Reducer
+from reducer_client.feedback import ErrorFeedback
+from reducer_client.torch._basics import resolve
 
-__all__ = ["flat_dtype", "to_numpy", "numpy_view", "staging_for", "Staging"]
+__all__ = ["flat_dtype", "to_numpy", "numpy_view", "staging_for", "Staging",
+           "set_error_feedback"]
 
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
@@ -97,6 +100,27 @@ class Staging:
         self._lock = threading.Lock()
         self._buffers: dict[str, _HostBuffer] = {}
         self._executor: ThreadPoolExecutor | None = None
+        # Error feedback for the 8-bit wires (reducer_client.feedback): chosen
+        # at the first start (on for an 8-bit wire_dtype) or by set_feedback;
+        # guarded by _lock.
+        self._feedback: ErrorFeedback | None = None
+        self._feedback_chosen = False
+
+    def set_feedback(self, reducer: Reducer, enabled: bool) -> None:
+        """Error feedback on (for reducer's wire dtype) or off for every key."""
+        with self._lock:
+            self._feedback = ErrorFeedback(reducer.wire_dtype) if enabled else None
+            self._feedback_chosen = True
+
+    def _compensate(self, reducer: Reducer, key: str, values: np.ndarray) -> None:
+        """Add what the wire dropped from this key's last contribution (if feedback is on)."""
+        with self._lock:
+            if not self._feedback_chosen:
+                self._feedback = ErrorFeedback.default_for(reducer)
+                self._feedback_chosen = True
+            feedback = self._feedback
+        if feedback is not None:
+            feedback.apply(key, values)
 
     def start(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
               ) -> Future[np.ndarray]:
@@ -114,6 +138,7 @@ class Staging:
                                      pinned=False).host
             host.copy_(flat.reshape(-1))
             view = host.numpy()
+        self._compensate(reducer, key, view)
         return reducer.allreduce_async(view, key, op, out=view)
 
     def finish(self, result: np.ndarray, out: torch.Tensor, key: str,
@@ -158,6 +183,7 @@ class Staging:
             # the core in launch order, the same on every rank.
             copied.synchronize()
             host = buffer.host.numpy()
+            self._compensate(reducer, key, host)
             _chain(reducer.allreduce_async(host, key, op, out=host), reduced)
 
         def report(done: Future) -> None:
@@ -215,6 +241,18 @@ def _same_memory(result: np.ndarray, tensor: torch.Tensor) -> bool:
 # One Staging per Reducer, dropped with it. _stagings_lock guards the map.
 _stagings: weakref.WeakKeyDictionary[Reducer, Staging] = weakref.WeakKeyDictionary()
 _stagings_lock = threading.Lock()
+
+
+def set_error_feedback(enabled: bool, reducer: Reducer | None = None) -> None:
+    """Error feedback on or off for the DDP hook and the DistributedOptimizer.
+
+    On by default for the 8-bit wires ("int8", "fp8_e4m3", "fp8_e5m2")
+    without node-local aggregation (reducer_client.feedback): each bucket
+    keeps what quantization dropped from this worker's gradient and adds it
+    to the next step's. reducer: the Reducer to set it for (None: init()'s).
+    """
+    reducer = resolve(reducer)
+    staging_for(reducer).set_feedback(reducer, enabled)
 
 
 def staging_for(reducer: Reducer) -> Staging:

@@ -1,0 +1,97 @@
+"""Error feedback for the 8-bit wires: what quantization dropped from this
+worker's contribution to a key is added to its next contribution to that key.
+
+With an 8-bit wire a contribution x goes out as Q(x). A worker that keeps
+r = (x + r_prev) - Q(x + r_prev) and sends x_next + r next time has, summed
+over its steps, sent its true gradients to within one residual (at most one
+quantization error, reducer_wire.quant.ERROR_BOUND_DOC's e_in) instead of
+one error per step (EF-SGD; Karimireddy et al., 2019). Only the worker's own
+rounding is fed back: the daemon's one rounding of the result is the same on
+every worker and is not known to any of them.
+
+Q here is exactly the client's: convert.to_wire of the whole flat key, whose
+int8 blocks are the chunks' blocks (chunks start on whole blocks, layout.py).
+With node-local aggregation the node's sum is what gets quantized, not this
+worker's gradient, so feedback is off there (default_for).
+
+Cost per call: one more quantization and dequantization of the key on this
+worker. Memory: per key a float32 residual and one wire-sized buffer; the
+shims' keys are their buckets, a fixed set, so this does not grow.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from reducer_wire import convert, dtypes
+
+__all__ = ["ErrorFeedback", "FEEDBACK_WIRES"]
+
+# The wires whose rounding error feedback is on for by default: the 8-bit ones.
+FEEDBACK_WIRES = frozenset(dtypes.EIGHT_BIT_DTYPES)
+
+
+@dataclass
+class _KeyState:
+    residual: np.ndarray  # float32: what the last contribution's rounding dropped
+    wire: np.ndarray  # the wire bytes of the last contribution (scratch)
+
+
+class ErrorFeedback:
+    """Residuals per key for one worker and one wire dtype."""
+
+    def __init__(self, wire_dtype: str) -> None:
+        if wire_dtype not in dtypes.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {wire_dtype!r}: one of "
+                             f"{', '.join(dtypes.WIRE_DTYPES)}")
+        self.wire_dtype = wire_dtype
+        self._dtype = dtypes.WIRE_DTYPES[wire_dtype]
+        # _lock guards _keys; taken by whoever starts a reduction (autograd
+        # threads, a staging thread, step() callers). One key is never in two
+        # calls at once (one reduction per key in flight), so the state of a
+        # key is used outside the lock.
+        self._lock = threading.Lock()
+        self._keys: dict[str, _KeyState] = {}
+
+    @classmethod
+    def default_for(cls, reducer: Any) -> ErrorFeedback | None:
+        """On for an 8-bit wire_dtype without node-local aggregation, else None."""
+        wire = getattr(reducer, "wire_dtype", None)
+        if wire not in FEEDBACK_WIRES:
+            return None
+        if getattr(reducer, "_node", None) is not None:  # ReducerClient's node group
+            return None
+        return cls(wire)
+
+    def apply(self, key: str, values: np.ndarray) -> None:
+        """Add the key's residual to `values` (1-D, float16/32/64, in place) and
+        keep what rounding the result to the wire drops, for the next call."""
+        with self._lock:
+            state = self._keys.get(key)
+            if state is None or state.residual.size != values.size:
+                # A new key, or a bucket rebuilt with another size (DDP does that
+                # once, after its first step): start without a residual.
+                state = self._keys[key] = _KeyState(
+                    np.zeros(values.size, np.float32),
+                    np.empty(dtypes.wire_nbytes(self._dtype, values.size), np.uint8))
+        residual = state.residual
+        np.add(values, residual, out=values, casting="unsafe")
+        # What the client sends: float64 is rounded to float32 first, float16 widens exactly.
+        sent = values if values.dtype == np.float32 else values.astype(np.float32)
+        convert.to_wire(sent, self._dtype, out=state.wire)
+        convert.from_wire(state.wire, self._dtype, residual)
+        np.subtract(sent, residual, out=residual)
+        # A non-finite gradient must not poison every later step.
+        if not np.isfinite(residual).all():
+            residual[~np.isfinite(residual)] = 0.0
+
+    def forget(self, key: str | None = None) -> None:
+        """Drop one key's residual, or all (a fresh start, e.g. after a restore)."""
+        with self._lock:
+            if key is None:
+                self._keys.clear()
+            else:
+                self._keys.pop(key, None)
