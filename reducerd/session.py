@@ -221,7 +221,8 @@ class Session:
             self._log_failure(d)
         reply: Reply | None = d.reply
         message: bytes | None = None  # the bytes gRPC sends, made once for all its streams
-        for sink in d.sinks:
+        # Once per stream: a retry on the stream that already waits adds nothing to hear.
+        for sink in dict.fromkeys(d.sinks):
             stream: Stream = sink  # type: ignore[assignment]
             stream.waiting.discard(d.chunk)
             if stream.ended:

@@ -95,6 +95,15 @@ def test_every_stream_gets_the_one_reply_and_a_resend_the_same_message():
     assert grpc_stream.waiting == set() and not grpc_stream.ended
 
 
+def test_a_retry_on_the_same_stream_is_answered_once():
+    session = new_session()
+    a, b = stream("a"), stream("b")
+    session.accept(message(0, [1.0]), a)
+    session.accept(message(0, [1.0]), a)  # resent on the same stream: counted once
+    session.accept(message(1, [1.0]), b)
+    assert a.outbox == [expected_reply([2.0])] and b.outbox == [expected_reply([2.0])]
+
+
 def test_a_half_closed_stream_ends_after_its_answers():
     session = new_session()
     a, b = stream("a"), stream("b")
