@@ -97,8 +97,8 @@ def test_local_group_checks_out_as_the_client_does():
         client.allreduce(x, "k", op="max")
     with pytest.raises(TypeError, match="int64 is not supported"):
         client.allreduce(np.ones(4, np.int64), "k")
-    with pytest.raises(ValueError, match="wire_dtype 'int8'"):
-        LocalGroup(1, wire_dtype="int8")
+    with pytest.raises(ValueError, match="wire_dtype 'int4'"):
+        LocalGroup(1, wire_dtype="int4")
 
 
 def test_unnamed_calls_share_one_key_whatever_their_lengths(daemon_addresses):
