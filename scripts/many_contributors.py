@@ -1,0 +1,160 @@
+"""Many contributors against one daemon (issue 19): latency, memory and CPU per contributor.
+
+For each contributor count it starts a fresh daemon on loopback, drives it
+with reducerd.bench.loadgen (every contributor a data-plane connection, a
+few worker processes), and reads the daemon's /proc/PID: VmRSS idle, with
+every connection open, and its peak during the timed rounds (sampled every
+20 ms), its threads, and its CPU time over the timed rounds. The input per
+count is about the same (--input-bytes), so CPU per contributor-round and GB
+per CPU-second compare directly.
+
+    .venv/bin/python scripts/many_contributors.py --contributors 8,64,256 --json out.json
+
+The machine's other load changes every figure; runs are meant to be short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from reducerd.bench.loadgen import LoadSpec, run_load
+from reducerd.local import start_daemon
+
+_DATA_RE = re.compile(r"data plane on (\S+):(\d+)")
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM in bytes, Threads, from /proc/PID/status."""
+    fields: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0]) * 1024
+        elif name == "Threads":
+            fields[name] = int(value)
+    return fields
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process (all its threads)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+class _PeakRss:
+    def __init__(self, pid: int, period_s: float = 0.02) -> None:
+        self.pid, self.period_s, self.peak = pid, period_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, proc_status(self.pid)["VmRSS"])
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
+    daemon = start_daemon("--round-timeout", "120")
+    try:
+        deadline = time.monotonic() + 10
+        while not (match := _DATA_RE.search(daemon.log())) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if match is None:
+            raise RuntimeError(f"no data port in the daemon's log:\n{daemon.log()}")
+        pid = daemon.process.pid
+        rounds = max(2, round(args.input_bytes / (contributors * args.key_bytes)))
+        spec = LoadSpec("127.0.0.1", int(match.group(2)), contributors,
+                        key_bytes=args.key_bytes, chunk_bytes=args.chunk_bytes,
+                        rounds=rounds, warmup=1, timeout_s=120)
+        idle = proc_status(pid)
+        connected: dict[str, Any] = {}
+        ready: dict[str, Any] = {}
+
+        def on_ready() -> None:
+            ready.update(proc_status(pid), cpu_s=cpu_s(pid))
+
+        with _PeakRss(pid) as peak:
+            result = run_load(spec, args.processes,
+                              lambda: connected.update(proc_status(pid)), on_ready)
+        cpu = cpu_s(pid) - ready["cpu_s"]
+        end = proc_status(pid)
+    finally:
+        daemon.stop()
+    chunks = len(spec.chunk_numels)
+    # What the open chunks need: a float32 accumulator per chunk of the key, and
+    # the cached result (a wire-size reply) kept until the next round completes.
+    open_chunk_bytes = 2 * args.key_bytes + args.key_bytes
+    return {
+        **result, "rounds": rounds, "key_bytes": args.key_bytes,
+        "chunk_bytes": args.chunk_bytes, "chunks_per_round": chunks,
+        "daemon_cpu_s": cpu,
+        "cpu_ms_per_contributor_round": cpu / (contributors * rounds) * 1e3,
+        "input_GB_per_cpu_s": result["input_bytes"] / cpu / 1e9 if cpu else None,
+        "rss_idle_bytes": idle["VmRSS"], "rss_connected_bytes": connected["VmRSS"],
+        "rss_per_connection_bytes": (connected["VmRSS"] - idle["VmRSS"]) / contributors,
+        "rss_warm_bytes": ready["VmRSS"], "rss_peak_bytes": max(peak.peak, ready["VmRSS"]),
+        "rss_hwm_bytes": end["VmHWM"], "open_chunk_bytes": open_chunk_bytes,
+        "threads_idle": idle["Threads"], "threads_connected": connected["Threads"],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    mib = 1 << 20
+    lines = ["| contributors | rounds | round ms (median) | chunk latency p50 / p99 ms | "
+             "daemon CPU ms per contributor-round | GB per CPU-s | threads | "
+             "RSS idle / connected / peak MiB | peak - idle over open-chunk need | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lat = r["chunk_latency_s"]
+        growth = (r["rss_peak_bytes"] - r["rss_idle_bytes"]) / r["open_chunk_bytes"]
+        lines.append(
+            f"| {r['contributors']} | {r['rounds']} | {r['round_s']['median'] * 1e3:.1f} | "
+            f"{lat.get('p50', 0) * 1e3:.1f} / {lat.get('p99', 0) * 1e3:.1f} | "
+            f"{r['cpu_ms_per_contributor_round']:.3f} | {r['input_GB_per_cpu_s']:.2f} | "
+            f"{r['threads_connected']} | {r['rss_idle_bytes'] / mib:.0f} / "
+            f"{r['rss_connected_bytes'] / mib:.0f} / {r['rss_peak_bytes'] / mib:.0f} | "
+            f"{growth:.1f}x | {len(r['errors'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contributors", default="8,64,256")
+    parser.add_argument("--processes", type=int, default=4, help="load worker processes")
+    parser.add_argument("--key-bytes", type=int, default=1 << 20,
+                        help="float16 bytes each contributor sends per round (default 1 MiB)")
+    parser.add_argument("--chunk-bytes", type=int, default=256 << 10)
+    parser.add_argument("--input-bytes", type=int, default=512 << 20,
+                        help="daemon input per count, about (default 512 MiB)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rows = []
+    for count in (int(c) for c in args.contributors.split(",")):
+        rows.append(measure(count, args))
+        print(f"{count} contributors: {rows[-1]['wall_s']:.1f} s, "
+              f"{len(rows[-1]['errors'])} errors", file=sys.stderr, flush=True)
+    sys.stdout.write(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if not any(r["errors"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
