@@ -20,10 +20,14 @@ from reducer_client.testing import LocalGroup  # noqa: E402
 from torch_shim_models import batch, loss_of, make_model  # noqa: E402
 
 STEPS = 4
+# make_model seeds torch's global generator: ranks (threads) build their models
+# one at a time, or they would draw each other's initial values.
+_MODEL_LOCK = threading.Lock()
 
 
 def _train(rank: int, reducer, overlap: bool, kind: str, optimizer: str) -> list[torch.Tensor]:
-    model = make_model(kind)
+    with _MODEL_LOCK:
+        model = make_model(kind)
     base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             if optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=0.01))
     # Small buckets: several per step, so the order of application matters.
