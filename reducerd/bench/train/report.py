@@ -154,6 +154,9 @@ def write_plot(path: Path, config: TrainConfig, results: list[dict[str, Any]]) -
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     workers = sorted({r["workers"] for r in results})
     ax.plot(workers, [100] * len(workers), color="0.7", linestyle=":", label="ideal")
+    lowest = min((100 * r["scaling_efficiency"] for r in results
+                  if r["scaling_efficiency"] is not None), default=100)
+    ax.set_ylim(min(80.0, lowest - 5), 102)  # a few per cent must not fill the height
     for system in config.systems:
         points = sorted((r["workers"], 100 * r["scaling_efficiency"]) for r in results
                         if r["system"] == system and r["scaling_efficiency"] is not None)
