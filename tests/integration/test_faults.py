@@ -1,8 +1,6 @@
 """Faults with real processes: killed workers and daemons, restarts, the daemon's own bugs."""
 
 import signal
-import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -11,11 +9,12 @@ import grpc
 import numpy as np
 import pytest
 from fault_cases import FAULTY_DAEMON, outlive_daemon_worker, suicidal_worker, training_worker
+from raw_frames import HELLO_OK, frame, raw_session, status_of
 from reducer_client import ReducerClient
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from reducer_wire.codes import status_code_from_value
-from reducer_wire.framing import HELLO, MAGIC, SHARD, STATUS, frame_header
+from reducer_wire.framing import SHARD
 from support import run_workers, start_daemon
 
 
@@ -141,24 +140,8 @@ def _reduce_over_grpc(address: str, message: bytes) -> tuple[grpc.StatusCode, st
 
 
 def _reduce_over_the_data_plane(address: str, message: bytes) -> tuple[grpc.StatusCode, str]:
-    with grpc.insecure_channel(address) as channel:
-        port = pb_grpc.ReducerStub(channel).GetStatus(pb.StatusRequest(brief=True),
-                                                      timeout=5).data_port
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(MAGIC + frame_header(HELLO, 0) + frame_header(SHARD, len(message))
-                     + message)
-        sock.shutdown(socket.SHUT_WR)
-        received = bytearray()
-        while chunk := sock.recv(1 << 16):
-            received += chunk
-    view = memoryview(received)
-    while len(view) >= 5:
-        kind, length = struct.unpack_from("<BI", view)
-        if kind == STATUS:
-            (value,) = struct.unpack_from("<I", view, 5)
-            return status_code_from_value(value), bytes(view[9:5 + length]).decode()
-        view = view[5 + length:]
-    raise AssertionError(f"no STATUS frame in {bytes(received)!r}")
+    code, details = status_of(raw_session(address, HELLO_OK + frame(SHARD, message), 20))
+    return status_code_from_value(code), details
 
 
 @pytest.mark.parametrize("fault", ["shard_in", "contribute", "delivered"])

@@ -16,7 +16,6 @@ examples per test (CI runs a bounded number).
 import asyncio
 import itertools
 import os
-import struct
 import threading
 import time
 
@@ -26,11 +25,12 @@ import pytest
 from fuzz_model import StreamModel, expected_data_plane, mismatches, parse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from raw_frames import HELLO_OK, frame, split_frames, status_of
 from reducer_client import ReducerClient
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from reducer_wire.codes import status_code_from_value
-from reducer_wire.framing import HELLO, MAGIC, SHARD, STATUS
+from reducer_wire.framing import MAGIC, SHARD, STATUS
 from support import start_daemon
 
 EXAMPLES = int(os.environ.get("REDUCER_FUZZ_EXAMPLES", "300"))
@@ -158,18 +158,13 @@ class FuzzLoop:
                 return f"connection error {exc!r}", "", []
             finally:
                 writer.close()
-        frames, view = [], memoryview(received)
-        while len(view) >= 5:
-            kind, length = struct.unpack_from("<BI", view)
-            frames.append((kind, bytes(view[5:5 + length])))
-            view = view[5 + length:]
-        if len(view) or not frames or frames[-1][0] != STATUS:
+        frames, rest = split_frames(received)
+        if rest or not frames or frames[-1][0] != STATUS:
             return f"no STATUS frame at the end: {received[-40:]!r}", "", []
         if not all(kind == SHARD for kind, _ in frames[:-1]):
             return "a frame other than SHARD before STATUS", "", []
-        status = frames[-1][1]
-        code = status_code_from_value(struct.unpack_from("<I", status)[0])
-        return code, status[4:].decode(), [body for _, body in frames[:-1]]
+        code, details = status_of(frames)
+        return status_code_from_value(code), details, [body for _, body in frames[:-1]]
 
     def close(self):
         self.run(self.channel.close()).result(5)
@@ -319,13 +314,6 @@ def _model_of(messages, inband):
     return model
 
 
-def _frame(kind, payload):
-    return struct.pack("<BI", kind, len(payload)) + payload
-
-
-HELLO_OK = MAGIC + _frame(HELLO, b"")
-
-
 def test_fuzz_shards(fuzz):
     @settings(max_examples=EXAMPLES, **FUZZ_SETTINGS)
     @given(messages=st.lists(shards, min_size=1, max_size=6) | rounds(), inband=st.booleans())
@@ -354,7 +342,7 @@ def test_fuzz_shards_on_the_data_plane(fuzz):
     @given(messages=st.lists(shards, min_size=1, max_size=6) | rounds())
     def send(messages):
         messages = fuzz.own_jobs(messages)
-        payload = HELLO_OK + b"".join(_frame(SHARD, m.SerializeToString()) for m in messages)
+        payload = HELLO_OK + b"".join(frame(SHARD, m.SerializeToString()) for m in messages)
         fuzz.send(messages, expected_data_plane(payload), fuzz.loop.tcp(payload))
 
     send()
@@ -367,7 +355,7 @@ def test_fuzz_raw_bytes_on_the_data_plane(fuzz):
            frames=st.lists(st.tuples(st.integers(0, 4), st.binary(max_size=48)), max_size=3),
            tail=st.binary(max_size=24))
     def send(prefix, frames, tail):
-        payload = prefix + b"".join(_frame(kind, data) for kind, data in frames) + tail
+        payload = prefix + b"".join(frame(kind, data) for kind, data in frames) + tail
         fuzz.send(payload, expected_data_plane(payload), fuzz.loop.tcp(payload))
 
     send()
