@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -64,6 +65,8 @@ class TcpTransport(Transport):
         self._token = token
         self._max_message_bytes = max_message_bytes
         self._connect_timeout_s = connect_timeout_s
+        # Streams still open, for close(); the reader thread adds, close() reads.
+        self._streams: weakref.WeakSet[TcpStream] = weakref.WeakSet()
 
     def open(self, requests: Iterator[memoryview], daemon: DaemonInfo,
              ) -> Iterable[ShardView]:
@@ -79,7 +82,13 @@ class TcpTransport(Transport):
         except OSError as exc:
             raise NotOffered(grpc.StatusCode.UNAVAILABLE,
                              f"cannot connect to data port {port}: {exc}") from None
+        self._streams.add(stream)
         return stream
+
+    def close(self) -> None:
+        """Break the open streams: their readers see the end at once."""
+        for stream in list(self._streams):
+            stream.shutdown()
 
 
 class TcpStream:
@@ -109,6 +118,11 @@ class TcpStream:
         self._sock = sock
         threading.Thread(target=self._send, args=(sock,), daemon=True,
                          name=f"reducer-tcp-send-{self.host}:{self.port}").start()
+
+    def shutdown(self) -> None:
+        """End the connection both ways (any thread); iteration then stops."""
+        if self._sock is not None:
+            shutdown_quietly(self._sock)
 
     def _send(self, sock: socket.socket) -> None:
         start = HEADROOM - _FRAME_HEADER_BYTES
