@@ -44,9 +44,10 @@ def proc_status(pid: int) -> dict[str, int]:
     return fields
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of the process (all its threads)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of the process (all its threads), or of one thread."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    stat = Path(path).read_text()
     fields = stat[stat.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
@@ -88,12 +89,14 @@ def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
         ready: dict[str, Any] = {}
 
         def on_ready() -> None:
-            ready.update(proc_status(pid), cpu_s=cpu_s(pid))
+            # The main thread is the event loop's, which alone sums (reducerd.server).
+            ready.update(proc_status(pid), cpu_s=cpu_s(pid), loop_cpu_s=cpu_s(pid, pid))
 
         with _PeakRss(pid) as peak:
             result = run_load(spec, args.processes,
                               lambda: connected.update(proc_status(pid)), on_ready)
         cpu = cpu_s(pid) - ready["cpu_s"]
+        loop_cpu = cpu_s(pid, pid) - ready["loop_cpu_s"]
         end = proc_status(pid)
     finally:
         daemon.stop()
@@ -104,21 +107,29 @@ def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         **result, "rounds": rounds, "key_bytes": args.key_bytes,
         "chunk_bytes": args.chunk_bytes, "chunks_per_round": chunks,
-        "daemon_cpu_s": cpu,
+        "daemon_cpu_s": cpu, "daemon_loop_thread_cpu_s": loop_cpu,
+        "daemon_other_threads_cpu_s": cpu - loop_cpu,
         "cpu_ms_per_contributor_round": cpu / (contributors * rounds) * 1e3,
         "input_GB_per_cpu_s": result["input_bytes"] / cpu / 1e9 if cpu else None,
         "rss_idle_bytes": idle["VmRSS"], "rss_connected_bytes": connected["VmRSS"],
         "rss_per_connection_bytes": (connected["VmRSS"] - idle["VmRSS"]) / contributors,
         "rss_warm_bytes": ready["VmRSS"], "rss_peak_bytes": max(peak.peak, ready["VmRSS"]),
         "rss_hwm_bytes": end["VmHWM"], "open_chunk_bytes": open_chunk_bytes,
-        "threads_idle": idle["Threads"], "threads_connected": connected["Threads"],
+        "threads_idle": idle["Threads"], "threads_running": ready["Threads"],
     }
+
+
+def per(row: dict[str, Any], part: str) -> str:
+    """One part's CPU ms per contributor-round."""
+    name = "daemon_loop_thread_cpu_s" if part == "loop" else "daemon_other_threads_cpu_s"
+    return f"{row[name] / (row['contributors'] * row['rounds']) * 1e3:.3f}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     mib = 1 << 20
     lines = ["| contributors | rounds | round ms (median) | chunk latency p50 / p99 ms | "
-             "daemon CPU ms per contributor-round | GB per CPU-s | threads | "
+             "daemon CPU ms per contributor-round (loop thread + others) | GB per CPU-s | "
+             "threads | "
              "RSS idle / connected / peak MiB | peak - idle over open-chunk need | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -127,8 +138,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['contributors']} | {r['rounds']} | {r['round_s']['median'] * 1e3:.1f} | "
             f"{lat.get('p50', 0) * 1e3:.1f} / {lat.get('p99', 0) * 1e3:.1f} | "
-            f"{r['cpu_ms_per_contributor_round']:.3f} | {r['input_GB_per_cpu_s']:.2f} | "
-            f"{r['threads_connected']} | {r['rss_idle_bytes'] / mib:.0f} / "
+            f"{r['cpu_ms_per_contributor_round']:.3f} ({per(r, 'loop')} + "
+            f"{per(r, 'other')}) | {r['input_GB_per_cpu_s']:.2f} | "
+            f"{r['threads_running']} | {r['rss_idle_bytes'] / mib:.0f} / "
             f"{r['rss_connected_bytes'] / mib:.0f} / {r['rss_peak_bytes'] / mib:.0f} | "
             f"{growth:.1f}x | {len(r['errors'])} |")
     return "\n".join(lines) + "\n"
