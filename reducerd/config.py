@@ -251,8 +251,10 @@ _HELP = {
     "port_offset": "add N to the listen, metrics and data ports (reducerd@N.service)",
     "auth_token_credential": "read the token from $CREDENTIALS_DIRECTORY/NAME (systemd)",
     "metrics_max_jobs": "jobs with their own metrics label, the rest are 'other' (default 20)",
-    "stalled_after_s": "status lists open chunks older than this as stalled (default 5)",
-    "max_open_chunks_per_job": "open chunks one job may hold at once (default 65536)",
+    "stalled_after_s": f"status lists open chunks older than this as stalled (default "
+                       f"{STALLED_AFTER_S:g})",
+    "max_open_chunks_per_job": f"open chunks one job may hold at once (default "
+                               f"{MAX_OPEN_CHUNKS_PER_JOB})",
     "stream_idle_timeout_s": "end streams idle this many seconds with nothing open "
                              "(default 600)",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
