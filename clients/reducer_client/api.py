@@ -42,7 +42,10 @@ class Reducer(Protocol):
       rounded to it once (float16 and bfloat16: nearest even), the daemons
       add the contributions in float32, "mean" divides the float32 sum by
       world_size, and the result is rounded to the wire dtype once more,
-      then widened exactly to the output's dtype.
+      then widened exactly to the output's dtype. allreduce's wire_dtype=
+      keyword overrides it for one call (every rank gives the same for a
+      key's round): what the shims' compression= chooses. A Reducer
+      without that keyword still serves the shims at its own wire dtype.
     - op is "sum" or "mean".
     - broadcast returns root_rank's values exactly for float16, bfloat16-
       representable and float32 data (it travels as float32, whatever
@@ -67,10 +70,12 @@ class Reducer(Protocol):
     wire_dtype: str
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
-                        out: np.ndarray | None = None) -> Future[np.ndarray]: ...
+                        out: np.ndarray | None = None, wire_dtype: str | None = None,
+                        ) -> Future[np.ndarray]: ...
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
-                  out: np.ndarray | None = None) -> np.ndarray: ...
+                  out: np.ndarray | None = None, wire_dtype: str | None = None,
+                  ) -> np.ndarray: ...
 
     def broadcast_async(self, array: np.ndarray, key: str, root_rank: int = 0,
                         ) -> Future[np.ndarray]: ...

@@ -178,12 +178,14 @@ class ReducerClient:
     # -- public operations --------------------------------------------------
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
-                  out: np.ndarray | None = None) -> np.ndarray:
+                  out: np.ndarray | None = None, wire_dtype: str | None = None,
+                  ) -> np.ndarray:
         """Sum (or average) `array` over all workers; same dtype and shape back."""
-        return self.allreduce_async(array, key, op, out=out).result()
+        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype).result()
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
-                        out: np.ndarray | None = None) -> Future[np.ndarray]:
+                        out: np.ndarray | None = None, wire_dtype: str | None = None,
+                        ) -> Future[np.ndarray]:
         """Start an allreduce; the future's result is the reduced array.
 
         The input is copied (converted to the wire dtype) before this returns,
@@ -192,8 +194,13 @@ class ReducerClient:
         may be `array` itself) that receives the result and is the future's
         result, instead of a new array: no fresh pages to fault in per call.
         Its contents are unspecified if the operation fails.
+        wire_dtype: this call's wire dtype instead of the client's (every
+        rank must give the same for a key's round; the shims' compression=).
         """
-        return self._start(array, key, dtypes.WIRE_DTYPES[self.wire_dtype],
+        wire = self.wire_dtype if wire_dtype is None else wire_dtype
+        if wire not in dtypes.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
+        return self._start(array, key, dtypes.WIRE_DTYPES[wire],
                            dtypes.op_value(op), root_rank=None, out=out)
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:

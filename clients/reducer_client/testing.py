@@ -174,13 +174,19 @@ class LocalClient:
         return future
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
-                        out: np.ndarray | None = None) -> Future[np.ndarray]:
+                        out: np.ndarray | None = None, wire_dtype: str | None = None,
+                        ) -> Future[np.ndarray]:
         dtypes.op_value(op)  # ValueError naming the choices
-        return self._start(array, key, dtypes.WIRE_DTYPES[self.wire_dtype], op, out)
+        wire = self.wire_dtype if wire_dtype is None else wire_dtype
+        if wire not in dtypes.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
+        return self._start(array, key, dtypes.WIRE_DTYPES[wire], op, out)
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
-                  out: np.ndarray | None = None) -> np.ndarray:
-        return self.allreduce_async(array, key, op, out=out).result(self.timeout)
+                  out: np.ndarray | None = None, wire_dtype: str | None = None,
+                  ) -> np.ndarray:
+        return self.allreduce_async(array, key, op, out=out,
+                                    wire_dtype=wire_dtype).result(self.timeout)
 
     def broadcast_async(self, array: np.ndarray, key: str, root_rank: int = 0,
                         ) -> Future[np.ndarray]:
