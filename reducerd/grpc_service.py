@@ -101,9 +101,11 @@ class ReducerServicer:
                 break
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # gRPC could not hand us the next message
-                log.info("stream from %s broke: %r", stream.peer, exc)
-                stream.end(grpc.StatusCode.INVALID_ARGUMENT, f"cannot read the stream: {exc}")
+            except Exception as exc:
+                # Not a bad message (decode_request answers those, never raising):
+                # gRPC itself failed to hand us the next one. Not the client's fault.
+                log.exception("reducerd fault while reading the stream from %s", stream.peer)
+                stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
                 return
             if not self.session.accept(shard, stream):
                 return

@@ -256,3 +256,44 @@ def test_op_and_dtype_names_have_one_home():
 
     assert reduction.DTYPE_NAMES is dtypes.DTYPE_NAMES and reduction.OP_NAMES is dtypes.OP_NAMES
     assert metrics.DTYPE_NAMES is dtypes.DTYPE_NAMES
+
+
+def test_the_grpc_reader_blames_itself_when_grpc_fails_it(caplog):
+    """An exception from gRPC's request iterator (not a bad message: those
+    decode to a DecodeError) ends the call with INTERNAL, logged with its traceback."""
+    import asyncio
+
+    from reducerd.grpc_service import ReducerServicer
+
+    async def requests():
+        yield message(0, [1.0], world_size=1)
+        raise RuntimeError("injected fault in the request iterator")
+
+    servicer = ReducerServicer(new_session(), stalled_after_s=5.0)
+    s = stream()
+    with caplog.at_level(logging.ERROR, "reducerd"):
+        asyncio.run(servicer._read(requests(), s))
+    reply, ending = s.outbox
+    assert reply == expected_reply([1.0], world_size=1)
+    assert_daemon_fault(ending, caplog, "injected fault in the request iterator")
+
+
+def test_a_status_fault_is_internal(caplog, monkeypatch):
+    import asyncio
+
+    from reducerd.grpc_service import ReducerServicer
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            self.code, self.details = code, details
+            raise Aborted
+
+    session = new_session()
+    monkeypatch.setattr(session.table, "open_chunks", lambda: 1 / 0)
+    context = Context()
+    with caplog.at_level(logging.ERROR, "reducerd"), pytest.raises(Aborted):
+        asyncio.run(ReducerServicer(session, 5.0).GetStatus(pb.StatusRequest(), context))
+    assert_daemon_fault((context.code, context.details), caplog, "ZeroDivisionError")
