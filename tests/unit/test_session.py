@@ -252,10 +252,18 @@ def test_idle_streams_end_once_and_busy_ones_stay():
 
 def test_op_and_dtype_names_have_one_home():
     """The daemon's dtype and op names are reducer_wire.dtypes' (not copies)."""
-    from reducerd import metrics, reduction
+    import importlib
+    import pkgutil
 
-    assert reduction.DTYPE_NAMES is dtypes.DTYPE_NAMES and reduction.OP_NAMES is dtypes.OP_NAMES
-    assert metrics.DTYPE_NAMES is dtypes.DTYPE_NAMES
+    import reducerd
+
+    for module in pkgutil.iter_modules(reducerd.__path__):
+        if module.name in ("__main__", "bench"):
+            continue
+        imported = importlib.import_module(f"reducerd.{module.name}")
+        for name in ("DTYPE_NAMES", "OP_NAMES"):
+            if hasattr(imported, name):  # a copy of its own would not be the same object
+                assert getattr(imported, name) is getattr(dtypes, name), (module.name, name)
 
 
 def test_the_grpc_reader_blames_itself_when_grpc_fails_it(caplog):
@@ -292,7 +300,7 @@ def test_a_status_fault_is_internal(caplog, monkeypatch):
             raise Aborted
 
     session = new_session()
-    monkeypatch.setattr(session.table, "open_chunks", lambda: 1 / 0)
+    monkeypatch.setattr(session.table, "open_chunks", lambda *args, **kwargs: 1 / 0)
     context = Context()
     with caplog.at_level(logging.ERROR, "reducerd"), pytest.raises(Aborted):
         asyncio.run(ReducerServicer(session, 5.0).GetStatus(pb.StatusRequest(), context))
