@@ -4,6 +4,7 @@ machine's network namespace (`nsenter --net=/proc/PID/ns/net python netns_probe.
     watch-health ADDRESS          health checks back to back until stdin closes, then
                                   one JSON line: [[start_s, end_s, status], ...]
                                   (time.monotonic(), the clock systemd's *Monotonic use)
+    wait-serving ADDRESS SECONDS  health checks until one answers SERVING (or exit 1)
     status ADDRESS TOKEN          GetStatus without and with the token:
                                   {"without": CODE, "with": CODE}
     drain ADDRESS TOKEN JOB       two chunks open on three streams; after "go" on stdin
@@ -51,6 +52,24 @@ def watch_health(address: str) -> None:
         attempts.append([start, time.monotonic(), status])
         time.sleep(0.01)
     print(json.dumps(attempts), flush=True)
+
+
+def wait_serving(address: str, timeout_s: str) -> None:
+    """Health checks (fresh channels, no token) until one answers SERVING."""
+    deadline = time.monotonic() + float(timeout_s)
+    last = ""
+    while time.monotonic() < deadline:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = exc.code().name
+        time.sleep(0.2)
+    raise SystemExit(f"{address}: not SERVING after {timeout_s} s (last: {last})")
 
 
 def _metadata(token: str) -> tuple:
@@ -140,6 +159,8 @@ def main(argv: list[str]) -> None:
     command, args = argv[0], argv[1:]
     if command == "watch-health":
         watch_health(*args)
+    elif command == "wait-serving":
+        wait_serving(*args)
     elif command == "status":
         status(*args)
     elif command == "drain":

@@ -10,8 +10,11 @@ they use, at the paths the daemon's arguments name; the daemon accepts the
 StatefulSet's arguments with the ConfigMap's TOML (`--print-config`), whose
 ports, drain grace and memory limit agree with the pod spec; the pods are
 hardened; the worker Job lists every daemon once, in ordinal order, with its
-rank from the completion index; and the Job's own worker script, run against
-daemons started with the ConfigMap's configuration and the token, reduces.
+rank from the completion index; the Job's own worker script, run against
+daemons started with the ConfigMap's configuration and the token, reduces;
+and the Dockerfile compiles the C extension in a build stage, copies what
+setup.py needs (and the dockerignore lets through), runs as the pods' user
+and EXPOSEs every container port.
 """
 
 import os
@@ -196,10 +199,34 @@ def test_pods_are_hardened():
             assert "add" not in context["capabilities"], c["name"]
             assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
     dockerfile = (K8S / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
-    user = re.search(r"^USER (\d+)", dockerfile, re.M)
-    assert user and int(user.group(1)) == sts["spec"]["template"]["spec"][
-        "securityContext"]["runAsUser"]
+    user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.M)
+    context = sts["spec"]["template"]["spec"]["securityContext"]
+    assert user and [int(user.group(1)), int(user.group(2))] == [
+        context["runAsUser"], context["runAsGroup"]]
+
+
+def test_the_dockerfile_compiles_the_extension_in_a_build_stage_and_exposes_every_port():
+    """Offline; tests/deploy/test_deploy_image.py builds and runs the image."""
+    dockerfile = (K8S / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    stages = re.split(r"(?m)^FROM ", dockerfile)[1:]
+    assert [s.split("\n", 1)[0] for s in stages] == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    build, runtime = stages
+    assert "gcc" in build and "gcc" not in runtime
+    assert "import reducer_wire._kernels" in build, "the build must fail without the extension"
+    assert "COPY --from=build" in runtime
+    copied = {word for line in re.findall(r"(?m)^COPY (?!--)(.*)$", build)
+              for word in line.split()[:-1]}
+    # setup.py builds reducer_wire._kernels from protos/python/reducer_wire/_kernels.c.
+    assert {"pyproject.toml", "setup.py", "README.md", "protos", "reducerd", "clients"} <= copied
+    allowed = {line.strip("!/") for line in (K8S / "Dockerfile.dockerignore").read_text()
+               .splitlines() if line.startswith("!")}
+    assert copied <= allowed, f"copied but ignored: {copied - allowed}"
+    sts = one("StatefulSet", "reducerd")
+    ports = {p["containerPort"] for p in container(sts["spec"]["template"]["spec"],
+                                                   "reducerd")["ports"]}
+    exposed = re.search(r"(?m)^EXPOSE (.*)$", runtime).group(1).split()
+    assert set(map(int, exposed)) == ports, (exposed, ports)
 
 
 def test_worker_job_lists_every_daemon_once_in_ordinal_order():
