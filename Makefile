@@ -13,7 +13,7 @@ BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-mxnet build test test-main test-mxnet demo proto lint clean
+.PHONY: all venv venv-mxnet build test test-main test-mxnet test-deploy demo proto lint clean
 
 all: test
 
@@ -41,10 +41,16 @@ venv: $(BUILT)
 venv-mxnet: $(BUILT_MX)
 build: $(BUILT)
 
-test: test-main test-mxnet
+test: test-main test-mxnet test-deploy
 
 test-main: $(BUILT)
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests --ignore=tests/deploy
+
+# The units under a booted systemd and the image under Docker (tests/deploy): as
+# root, alone (it boots a container and starts dockerd; not under make -j).
+# REDUCER_SKIP_DEPLOY_TESTS=systemd,docker skips a part by name.
+test-deploy: $(BUILT)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/deploy
 
 # The core runs under numpy 1.23 here as well as numpy 2 in .venv.
 test-mxnet: $(BUILT_MX)

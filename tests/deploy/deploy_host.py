@@ -108,8 +108,7 @@ def install_host_packages() -> None:
     lock_wait = ("-o", "DPkg::Lock::Timeout=300")
     with cache_lock():
         run(["apt-get", *lock_wait, "update", "-qq"], timeout=600, env=env)
-        run(["apt-get", *lock_wait, "install", "-y", "-qq", "--no-install-recommends",
-             *missing], timeout=900, env=env)
+        run(["apt-get", *lock_wait, "install", "-y", "-qq", *missing], timeout=900, env=env)
 
 
 def rootfs_key() -> str:
