@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
-           "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB"]
+           "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB",
+           "DEFAULT_MAX_WORLD_SIZE"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -26,6 +27,8 @@ MiB = 1 << 20
 DEFAULT_LISTEN = "127.0.0.1:7070"  # loopback only: `reducerd` alone runs and exposes nothing
 STALLED_AFTER_S = 5.0
 MAX_OPEN_CHUNKS_PER_JOB = 65536
+DEFAULT_MAX_WORLD_SIZE = 65536
+_WORLD_SIZE_FIELD_MAX = (1 << 32) - 1  # Shard.world_size is a uint32
 
 
 class ConfigError(ValueError):
@@ -57,6 +60,8 @@ class Config:
     stalled_after_s: float = STALLED_AFTER_S
     # Open chunks one job may hold at once (beyond: RESOURCE_EXHAUSTED).
     max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB
+    # Largest world_size a shard may declare (beyond: INVALID_ARGUMENT); at most 2^32-1.
+    max_world_size: int = DEFAULT_MAX_WORLD_SIZE
     # A stream with nothing open and no message for this long is ended (OK);
     # clients open a new one when they next send.
     stream_idle_timeout_s: float = 600.0
@@ -126,6 +131,9 @@ class Config:
         if self.max_open_chunks_per_job < 1:
             raise ConfigError(f"max_open_chunks_per_job: must be >= 1, got "
                               f"{self.max_open_chunks_per_job}")
+        if not 1 <= self.max_world_size <= _WORLD_SIZE_FIELD_MAX:
+            raise ConfigError(f"max_world_size: must be between 1 and {_WORLD_SIZE_FIELD_MAX}, "
+                              f"got {self.max_world_size}")
         if self.metrics_max_jobs < 0:
             raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
         self._validate_credential()
@@ -235,6 +243,7 @@ _FLAGS = {
     "--max-open-chunks-per-job": "max_open_chunks_per_job",
     "--stream-idle-timeout": "stream_idle_timeout_s",
     "--data-listen": "data_listen",
+    "--max-world-size": "max_world_size",
 }
 _HELP = {
     "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
@@ -257,6 +266,8 @@ _HELP = {
                                f"{MAX_OPEN_CHUNKS_PER_JOB})",
     "stream_idle_timeout_s": "end streams idle this many seconds with nothing open "
                              "(default 600)",
+    "max_world_size": f"largest world_size a shard may declare (default "
+                      f"{DEFAULT_MAX_WORLD_SIZE})",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
                    "the default) or 'off'; off under TLS",
 }

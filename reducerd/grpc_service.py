@@ -142,11 +142,8 @@ class ReducerServicer:
                            first_seen_unix_s=stats.first_seen_s)
         for name in [name for name in self._throughput if name not in table.jobs]:
             del self._throughput[name]  # a forgotten job's window goes with it
-        for cid, world_size, missing, age_s in table.open_chunks():
-            if age_s < self.stalled_after_s or len(reply.stalled) >= STALLED_LISTED_AT_MOST:
-                break
-            if request.job and cid.job != request.job:
-                continue
+        for cid, world_size, missing, age_s in table.open_chunks(
+                self.stalled_after_s, STALLED_LISTED_AT_MOST, request.job):
             reply.stalled.add(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
                               world_size=world_size, missing_ranks=missing, age_s=age_s)
         return reply

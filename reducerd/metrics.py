@@ -180,7 +180,7 @@ class Metrics:
             label = self.job_label(job)
             completed[label] += stats.chunks_completed
             open_chunks[label] += stats.open_chunks
-        stalled = sum(1 for row in self.table.open_chunks() if row[3] >= self.stalled_after_s)
+        stalled = self.table.stalled_count(self.stalled_after_s)
         return _Snapshot(
             bytes_in=dict(self._bytes_in), bytes_out=dict(self._bytes_out),
             failed=dict(self._failed),

@@ -14,18 +14,32 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
-from reducer_wire import dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.dtypes import DTYPE_NAMES, OP_NAMES
 
 from reducerd import accumulate
+from reducerd.chunks import (
+    CachedResult,
+    ChunkId,
+    Contribution,
+    Delivery,
+    Failure,
+    JobStats,
+    OpenChunk,
+    mismatch,
+)
 from reducerd.config import MAX_OPEN_CHUNKS_PER_JOB
+from reducerd.limits import (
+    MISSING_LISTED_AT_MOST,
+    WORLD_SIZES_KEPT,
+    MemoryBudget,
+    describe_missing,
+    missing_ranks,
+)
 from reducerd.replies import Reply, result_reply
 
+# The records live in reducerd.chunks; these names are imported from here too.
 __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
 
 # A job with nothing open for this long is forgotten (its stats too).
@@ -38,106 +52,6 @@ RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNAVAILABLE = "UNAVAILABLE"
 
 
-class ChunkId(NamedTuple):
-    job: str
-    key: str
-    round: int
-    offset: int
-
-    def describe(self) -> str:
-        return (f"job {self.job!r} key {self.key!r} round {self.round} "
-                f"offset {self.offset}")
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """One rank's data for one chunk, already checked on its own."""
-
-    rank: int
-    world_size: int
-    dtype: int
-    op: int
-    data: bytes | memoryview  # a view into the received message
-    layout: int = 0  # the sender's layout fingerprint (0: not checked)
-
-    @property
-    def numel(self) -> int:
-        numel = dtypes.wire_numel(self.dtype, len(self.data))  # int8 carries its scales
-        if numel is None:
-            raise ValueError(f"{len(self.data)} bytes are not whole {self.dtype} elements "
-                             "(session.check_shard admits no such shard)")
-        return numel
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What to send to `sinks`: the result's `reply`, or an error code and message."""
-
-    chunk: ChunkId
-    dtype: int
-    op: int
-    world_size: int
-    sinks: tuple[Hashable, ...]
-    reply: Reply | None = None  # the result's reply message, the same for every sink
-    error_code: str = ""
-    error_message: str = ""
-    # Seconds from the chunk's first contribution to this delivery (0 if it never opened).
-    latency_s: float = 0.0
-    # A result sent again from the cache to a resent contribution (not a new completion).
-    repeat: bool = False
-
-    @property
-    def data(self) -> memoryview:
-        """The result in the wire dtype (a view into the reply), empty for a failure."""
-        return self.reply.payload if self.reply is not None else memoryview(b"")
-
-
-@dataclass
-class JobStats:
-    first_seen_s: float
-    world_sizes: set[int] = field(default_factory=set)
-    chunks_completed: int = 0
-    chunks_failed: int = 0
-    open_chunks: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    last_active_s: float = 0.0  # table clock
-    # The layout fingerprint of the job's open chunks and the rank that set it.
-    layout: int = 0
-    layout_rank: int = 0
-
-
-@dataclass
-class _OpenChunk:
-    first_rank: int
-    world_size: int
-    dtype: int
-    op: int
-    numel: int
-    acc: np.ndarray
-    started_s: float
-    ranks: set[int] = field(default_factory=set)
-    # Streams waiting for the result, per rank (a retry adds a second one).
-    sinks: list[Hashable] = field(default_factory=list)
-
-
-@dataclass
-class _Result:
-    dtype: int
-    op: int
-    world_size: int
-    numel: int
-    reply: Reply
-    expires_s: float
-
-
-@dataclass
-class _Failure:
-    code: str
-    message: str
-    expires_s: float
-
-
 class ReductionTable:
     """Every open chunk of every job, keyed by ChunkId.
 
@@ -145,6 +59,11 @@ class ReductionTable:
     past the round timeout; `drop_sink` forgets a stream that went away.
     A failed chunk is remembered for one round timeout, so ranks that arrive
     after the failure get the same error instead of waiting for nothing.
+
+    Costs follow what arrived, not what a shard declares: missing ranks are
+    listed lazily and capped (reducerd.limits), and _open keeps the order in
+    which chunks opened, oldest first, so expiry and GetStatus stop at the
+    first chunk that is young enough.
 
     A completed chunk's result is kept until the next round of that chunk
     completes (or one round timeout passes, or the cache needs room), so a
@@ -155,16 +74,18 @@ class ReductionTable:
 
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
                  clock: Callable[[], float] = time.monotonic,
-                 max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB) -> None:
+                 max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB,
+                 budget: MemoryBudget | None = None) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
         self.max_open_chunks_per_job = max_open_chunks_per_job
-        self.bytes_held = 0
+        # Shared with the transports when the daemon builds it (their buffers count too).
+        self.budget = budget or MemoryBudget(max_inflight_bytes)
         self.jobs: dict[str, JobStats] = {}
         self._clock = clock
-        self._open: dict[ChunkId, _OpenChunk] = {}
-        self._failed: dict[ChunkId, _Failure] = {}
-        self._results: OrderedDict[ChunkId, _Result] = OrderedDict()
+        self._open: dict[ChunkId, OpenChunk] = {}
+        self._failed: dict[ChunkId, Failure] = {}
+        self._results: OrderedDict[ChunkId, CachedResult] = OrderedDict()
         # (job, key, offset) -> round of the cached result, to drop older rounds.
         self._latest_round: dict[tuple[str, str, int], int] = {}
         self.cached_bytes = 0
@@ -175,15 +96,41 @@ class ReductionTable:
     # -- queries -------------------------------------------------------------
 
     @property
+    def bytes_held(self) -> int:
+        """Bytes of the open chunks' accumulators."""
+        return self.budget.accumulator_bytes
+
+    @property
     def open_chunk_count(self) -> int:
         return len(self._open)
 
-    def open_chunks(self) -> list[tuple[ChunkId, int, list[int], float]]:
-        """(chunk, world_size, missing ranks, age in seconds), oldest first."""
+    def open_chunks(self, older_than_s: float = 0.0, at_most: int | None = None,
+                    job: str = "") -> list[tuple[ChunkId, int, list[int], float]]:
+        """(chunk, world_size, missing ranks, age in seconds), oldest first: the
+        chunks (of `job`, if given) open at least `older_than_s`, at most
+        `at_most` of them, each with at most MISSING_LISTED_AT_MOST missing
+        ranks named."""
         now = self._clock()
-        rows = [(cid, c.world_size, sorted(set(range(c.world_size)) - c.ranks),
-                 now - c.started_s) for cid, c in self._open.items()]
-        return sorted(rows, key=lambda row: -row[3])
+        rows: list[tuple[ChunkId, int, list[int], float]] = []
+        for cid, c in self._open.items():
+            age_s = now - c.started_s
+            if age_s < older_than_s or (at_most is not None and len(rows) >= at_most):
+                break  # opened in order: the rest are younger
+            if job and cid.job != job:
+                continue
+            listed, _ = missing_ranks(c.world_size, c.ranks, MISSING_LISTED_AT_MOST)
+            rows.append((cid, c.world_size, listed, age_s))
+        return rows
+
+    def stalled_count(self, older_than_s: float) -> int:
+        """Open chunks at least `older_than_s` old (without listing them)."""
+        now = self._clock()
+        count = 0
+        for c in self._open.values():
+            if now - c.started_s < older_than_s:
+                break
+            count += 1
+        return count
 
     # -- updates -------------------------------------------------------------
 
@@ -194,7 +141,8 @@ class ReductionTable:
         job = self.jobs.get(chunk.job)
         if job is None:
             job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
-        job.world_sizes.add(part.world_size)
+        if len(job.world_sizes) < WORLD_SIZES_KEPT:
+            job.world_sizes.add(part.world_size)
         job.bytes_in += len(part.data)
         job.last_active_s = now
         if part.layout:
@@ -215,9 +163,9 @@ class ReductionTable:
         if open_chunk is None:
             return self._open_chunk(chunk, part, sink, now, job)
 
-        mismatch = _mismatch(open_chunk, part)
-        if mismatch:
-            message = f"{chunk.describe()}: {mismatch}"
+        disagreement = mismatch(open_chunk, part)
+        if disagreement:
+            message = f"{chunk.describe()}: {disagreement}"
             sinks = (*open_chunk.sinks, sink)
             return [self._fail(chunk, INVALID_ARGUMENT, message, sinks, part)]
 
@@ -240,14 +188,16 @@ class ReductionTable:
         for name in [name for name, job in self.jobs.items()
                      if not job.open_chunks and now - job.last_active_s > JOB_FORGET_AFTER_S]:
             del self.jobs[name]  # its counters would otherwise pile up for ever
-        late = [cid for cid, c in self._open.items()
-                if now - c.started_s >= self.round_timeout_s]
+        late = []
+        for cid, c in self._open.items():
+            if now - c.started_s < self.round_timeout_s:
+                break  # opened in order: the rest are younger
+            late.append(cid)
         deliveries = []
         for cid in late:
             chunk = self._open[cid]
-            missing = sorted(set(range(chunk.world_size)) - chunk.ranks)
             message = (f"{cid.describe()}: no contribution from rank(s) "
-                       f"{', '.join(map(str, missing))} of {chunk.world_size} "
+                       f"{describe_missing(chunk.world_size, chunk.ranks)} "
                        f"within the round timeout of {self.round_timeout_s:g} s")
             deliveries.append(self._fail(cid, DEADLINE_EXCEEDED, message,
                                          tuple(chunk.sinks)))
@@ -276,24 +226,28 @@ class ReductionTable:
             message = (f"{cid.describe()}: job has {job.open_chunks} open chunks, the "
                        f"limit (--max-open-chunks-per-job)")
             return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
-        if self.bytes_held + nbytes > self.max_inflight_bytes:
+        if not self.budget.take_accumulator(nbytes):
             message = (f"{cid.describe()}: daemon holds {self.bytes_held} bytes for open "
-                       f"chunks; this chunk needs {nbytes} more, over the limit of "
+                       f"chunks and {self.budget.transport_bytes} for its connections; "
+                       f"this chunk needs {nbytes} more, over the limit of "
                        f"{self.max_inflight_bytes} (--max-inflight-bytes)")
             return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
-        acc = np.empty(part.numel, dtype=np.float32)
-        accumulate.copy_wire_into(acc, part.data, part.dtype)
-        chunk = _OpenChunk(first_rank=part.rank, world_size=part.world_size,
-                           dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
-                           started_s=now, ranks={part.rank}, sinks=[sink])
-        self.bytes_held += nbytes
+        try:
+            acc = np.empty(part.numel, dtype=np.float32)
+            accumulate.copy_wire_into(acc, part.data, part.dtype)
+        except BaseException:  # not opened: the room goes back
+            self.budget.give_accumulator(nbytes)
+            raise
+        chunk = OpenChunk(first_rank=part.rank, world_size=part.world_size,
+                          dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
+                          started_s=now, ranks={part.rank}, sinks=[sink])
         job.open_chunks += 1
         self._open[cid] = chunk
         if part.world_size == 1:
             return [self._complete(cid, chunk, job)]
         return []
 
-    def _complete(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> Delivery:
+    def _complete(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> Delivery:
         acc = chunk.acc
         if chunk.op == pb.REDUCE_OP_MEAN:
             # Divide the float32 sum once, before the single rounding to the wire dtype.
@@ -317,7 +271,7 @@ class ReductionTable:
         if chunk is not None:
             self._release(cid, chunk, job)
         job.chunks_failed += 1
-        self._failed[cid] = _Failure(code, message, self._clock() + self.round_timeout_s)
+        self._failed[cid] = Failure(code, message, self._clock() + self.round_timeout_s)
         ref = chunk or part
         assert ref is not None
         latency_s = self._clock() - chunk.started_s if chunk is not None else 0.0
@@ -329,7 +283,7 @@ class ReductionTable:
         return Delivery(cid, part.dtype, part.op, part.world_size, sinks,
                         error_code=code, error_message=message, repeat=repeat)
 
-    def _repeat(self, cid: ChunkId, result: _Result, part: Contribution,
+    def _repeat(self, cid: ChunkId, result: CachedResult, part: Contribution,
                 sink: Hashable) -> Delivery:
         """Answer a contribution to a chunk that already completed (not counted)."""
         if (part.dtype, part.numel, part.world_size) != (result.dtype, result.numel,
@@ -355,7 +309,7 @@ class ReductionTable:
             deliveries.append(self._fail(cid, INVALID_ARGUMENT, message, (sink,), part))
         return deliveries
 
-    def _cache_result(self, cid: ChunkId, chunk: _OpenChunk, reply: Reply) -> None:
+    def _cache_result(self, cid: ChunkId, chunk: OpenChunk, reply: Reply) -> None:
         slot = (cid.job, cid.key, cid.offset)
         previous = self._latest_round.get(slot)
         if previous is not None and previous < cid.round:
@@ -365,7 +319,7 @@ class ReductionTable:
             return
         while self.cached_bytes + nbytes > self.max_cached_bytes and self._results:
             self._drop_result(next(iter(self._results)))
-        self._results[cid] = _Result(chunk.dtype, chunk.op, chunk.world_size, chunk.numel,
+        self._results[cid] = CachedResult(chunk.dtype, chunk.op, chunk.world_size, chunk.numel,
                                      reply, self._clock() + self.round_timeout_s)
         self._latest_round[slot] = cid.round
         self.cached_bytes += nbytes
@@ -378,21 +332,7 @@ class ReductionTable:
             if self._latest_round.get(slot) == cid.round:
                 del self._latest_round[slot]
 
-    def _release(self, cid: ChunkId, chunk: _OpenChunk, job: JobStats) -> None:
+    def _release(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> None:
         if self._open.pop(cid, None) is not None:
-            self.bytes_held -= chunk.acc.nbytes
+            self.budget.give_accumulator(chunk.acc.nbytes)
             job.open_chunks -= 1
-
-
-def _mismatch(chunk: _OpenChunk, part: Contribution) -> str:
-    """Describe how `part` disagrees with the chunk's first contribution, or ''."""
-    for name, ours, theirs in (
-        ("dtype", DTYPE_NAMES[chunk.dtype], DTYPE_NAMES[part.dtype]),
-        ("op", OP_NAMES[chunk.op], OP_NAMES[part.op]),
-        ("world_size", chunk.world_size, part.world_size),
-        ("length", chunk.numel, part.numel),
-    ):
-        if ours != theirs:
-            return (f"rank {part.rank} sent {name} {theirs} but rank {chunk.first_rank} "
-                    f"sent {name} {ours}")
-    return ""

@@ -71,7 +71,7 @@ class Daemon:
         convert.use_accelerator(not config.wire_numpy)
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
                                     max_open_chunks_per_job=config.max_open_chunks_per_job)
-        self.session = Session(self.table)
+        self.session = Session(self.table, max_world_size=config.max_world_size)
         self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s)
         # systemd's notify socket; a no-op outside a Type=notify unit.
         self.notifier = notifier or Notifier.from_config(config)
@@ -175,10 +175,17 @@ class Daemon:
         self._stop.set()
 
     async def _expire_loop(self) -> None:
+        """Expire chunks and idle streams every tick, for as long as the daemon
+        serves: a fault in one tick (even a MemoryError) is logged, never the
+        end of round timeouts."""
         period_s = min(0.2, self.config.round_timeout_s / 10)
         while True:
             await asyncio.sleep(period_s)
-            self.session.expire(self.config.stream_idle_timeout_s)
+            try:
+                self.session.expire(self.config.stream_idle_timeout_s)
+            except Exception:
+                log.exception("reducerd fault while expiring chunks and streams; "
+                              "trying again in %g s", period_s)
 
     async def _drain(self) -> None:
         grace_s = self.config.drain_grace_s

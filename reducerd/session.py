@@ -26,6 +26,7 @@ import grpc
 from reducer_wire import dtypes
 from reducer_wire.codec import DecodeError, ShardView, decode_shard
 
+from reducerd.config import DEFAULT_MAX_WORLD_SIZE
 from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
 from reducerd.replies import Reply, error_reply
 
@@ -112,7 +113,7 @@ def decode_request(message: bytes | memoryview) -> ShardView | DecodeError | Dec
         return DecodeFault(exc)
 
 
-def check_shard(shard: ShardView) -> str:
+def check_shard(shard: ShardView, max_world_size: int = DEFAULT_MAX_WORLD_SIZE) -> str:
     """Why this shard is invalid on its own (contract section 2), or '' if it is fine."""
     if not shard.job:
         return "job is empty"
@@ -124,6 +125,9 @@ def check_shard(shard: ShardView) -> str:
         return f"op {shard.op} is unknown"
     if shard.world_size == 0:
         return "world_size is 0"
+    if shard.world_size > max_world_size:
+        return (f"world_size {shard.world_size} is above the daemon's limit of "
+                f"{max_world_size} (--max-world-size)")
     if shard.rank >= shard.world_size:
         return f"rank {shard.rank} is not below world_size {shard.world_size}"
     if not shard.data:
@@ -145,9 +149,11 @@ def daemon_fault_message(exc: BaseException) -> str:
 class Session:
     """The streams of both transports over one ReductionTable (loop thread)."""
 
-    def __init__(self, table: ReductionTable, observer: Observer | None = None) -> None:
+    def __init__(self, table: ReductionTable, observer: Observer | None = None,
+                 max_world_size: int = DEFAULT_MAX_WORLD_SIZE) -> None:
         self.table = table
         self.observer = observer
+        self.max_world_size = max_world_size
         self.streams: set[Stream] = set()
         self.draining = False  # set by the daemon: transports refuse new streams
         # (job, key, round, code) of failures logged lately: one line per failed
@@ -177,7 +183,7 @@ class Session:
         if isinstance(shard, DecodeError):
             stream.end(grpc.StatusCode.INVALID_ARGUMENT, f"malformed Shard message: {shard}")
             return False
-        problem = check_shard(shard)
+        problem = check_shard(shard, self.max_world_size)
         if problem:
             stream.end(grpc.StatusCode.INVALID_ARGUMENT,
                        f"invalid shard (job {shard.job!r} key {shard.key!r} round "

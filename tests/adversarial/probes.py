@@ -1,0 +1,194 @@
+"""What the adversarial probes share: daemons under an address-space limit, their
+memory and threads, raw gRPC streams and data-plane sockets, and the good job
+that must be served exactly after (and during) every probe.
+
+Every daemon here runs with RLIMIT_AS set in its own process (before reducerd
+is imported), so that a regression that makes it allocate fails the test
+with a MemoryError in the daemon instead of calling the host's OOM killer.
+Memory is measured as the daemon's VmRSS (/proc/PID/status).
+
+REDUCER_ADVERSARIAL=long runs every probe at the size of the issue's table
+(more connections, longer trickles); the default is a short version that
+`make test` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from reducer_client import ReducerClient
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
+from reducer_wire.framing import HELLO, MAGIC, STATUS, frame_header
+from support import DaemonProcess, start_daemon
+
+LONG = os.environ.get("REDUCER_ADVERSARIAL", "") == "long"
+GiB, MiB = 1 << 30, 1 << 20
+# The daemon's whole address space: ~0.8 GiB at rest (libraries, thread stacks).
+AS_LIMIT_BYTES = 3 * GiB
+
+_LIMITED_ENTRY = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+                  "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
+
+
+def limited_daemon(*args: str, log_dir: Path, as_limit_bytes: int = AS_LIMIT_BYTES,
+                   env: dict[str, str] | None = None) -> DaemonProcess:
+    """`reducerd --listen 127.0.0.1:0 ARGS` with its address space capped."""
+    return start_daemon(*args, log_dir=log_dir, env=env,
+                        entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes))))
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/PID/status: VmRSS in bytes, Threads as a count."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            value = line.split()[1]
+            return int(value) * 1024 if line.endswith("kB") else int(value)
+    raise KeyError(field)
+
+
+def rss_bytes(daemon: DaemonProcess) -> int:
+    return proc_status(daemon.process.pid, "VmRSS")
+
+
+def threads(daemon: DaemonProcess) -> int:
+    return proc_status(daemon.process.pid, "Threads")
+
+
+def assert_alive(daemon: DaemonProcess) -> None:
+    assert daemon.process.poll() is None, f"the daemon died:\n{daemon.log()[-4000:]}"
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def shard(job: str, rank: int, world_size: int, values, key: str = "k", round_: int = 0,
+          offset: int = 0) -> pb.Shard:
+    data = np.asarray(values, dtype="<f4").tobytes()
+    return pb.Shard(job=job, rank=rank, world_size=world_size, round=round_, key=key,
+                    offset=offset, dtype=pb.DTYPE_FLOAT32, op=pb.REDUCE_OP_SUM, data=data)
+
+
+def get_status(address: str, token: str | None = None, timeout: float = 5.0,
+               **request) -> pb.StatusReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ReducerStub(channel).GetStatus(
+            pb.StatusRequest(**request), metadata=metadata(token), timeout=timeout)
+
+
+class RawStream:
+    """A Reduce call driven by hand: send() shards, next_reply() to read one."""
+
+    def __init__(self, address: str, token: str | None = None, inband: bool = False,
+                 options=()) -> None:
+        self.channel = grpc.insecure_channel(address, options=list(options))
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        extra = (("reducer-errors", "inband"),) if inband else ()
+        self.call = pb_grpc.ReducerStub(self.channel).Reduce(
+            iter(self.outbox.get, None), metadata=metadata(token) + extra)
+
+    def send(self, message) -> None:
+        self.outbox.put(message)
+
+    def next_reply(self, timeout: float = 10.0):
+        """The next reply Shard, the grpc.RpcError that ended the call, or None (OK)."""
+        result: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                result.put(next(self.call))
+            except grpc.RpcError as exc:
+                result.put(exc)
+            except StopIteration:
+                result.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        return result.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
+def data_port(address: str, token: str | None = None) -> int:
+    return get_status(address, token, brief=True).data_port
+
+
+def data_socket(address: str, token: str | None = None, hello: bool = True,
+                timeout: float = 10.0) -> socket.socket:
+    """A raw data-plane connection, its handshake sent (or not)."""
+    host = address.rpartition(":")[0]
+    sock = socket.create_connection((host, data_port(address, token)), timeout=timeout)
+    if hello:
+        raw = (token or "").encode()
+        sock.sendall(MAGIC + frame_header(HELLO, len(raw)) + raw)
+    return sock
+
+
+def read_status_frame(sock: socket.socket, timeout: float = 10.0) -> tuple[int, str] | None:
+    """Read until the daemon closes; the code and message of its last STATUS
+    frame (replies before it are skipped), or None if none came."""
+    sock.settimeout(timeout)
+    received = bytearray()
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    view, last = memoryview(bytes(received)), None
+    while len(view) >= 5:
+        kind, length = view[0], int.from_bytes(view[1:5], "little")
+        if len(view) < 5 + length:
+            break
+        if kind == STATUS:
+            last = (int.from_bytes(view[5:9], "little"), bytes(view[9:5 + length]).decode())
+        view = view[5 + length:]
+    return last
+
+
+def good_job(addresses: list[str], job: str = "good", world_size: int = 2,
+             token: str | None = None, timeout: float = 20.0, size: int = 4096,
+             rounds: int = 2, **options) -> float:
+    """Run `rounds` allreduces of `world_size` real clients (threads of this
+    process) and check every element exactly; the seconds it took."""
+    start = time.monotonic()
+    errors: list[BaseException] = []
+    results: dict[int, list[np.ndarray]] = {}
+
+    def rank_main(rank: int) -> None:
+        try:
+            with ReducerClient(addresses, job=job, rank=rank, world_size=world_size,
+                               wire_dtype="float32", timeout=timeout, token=token,
+                               node_local=False, **options) as client:
+                results[rank] = [client.allreduce(_values(rank, r, size), key="w")
+                                 for r in range(rounds)]
+        except BaseException as exc:  # reported below, with the rank
+            errors.append(exc)
+
+    ranks = [threading.Thread(target=rank_main, args=(r,), daemon=True)
+             for r in range(world_size)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout + 10)
+    assert not errors, f"the good job failed: {errors!r}"
+    assert len(results) == world_size, "a rank of the good job hung"
+    for r in range(rounds):
+        # Small integers: the float32 sums are exact, equal to the float64 reference.
+        expected = sum(_values(rank, r, size).astype(np.float64) for rank in range(world_size))
+        for rank in range(world_size):
+            np.testing.assert_array_equal(results[rank][r], expected.astype(np.float32))
+    return time.monotonic() - start
+
+
+def _values(rank: int, round_: int, size: int) -> np.ndarray:
+    return ((np.arange(size) % 97) + 100 * rank + round_).astype(np.float32)
