@@ -103,7 +103,7 @@ def test_local_group_checks_out_as_the_client_does():
 
 def test_unnamed_calls_share_one_key_whatever_their_lengths(daemon_addresses):
     """200 unnamed rt.allreduce calls of changing lengths (1 to 5 chunks per
-    daemon): right results, and the client's keys stay the same one."""
+    daemon): right results, and the client's keys stay the same two."""
     torch = pytest.importorskip("torch")
     import reducer_client.torch as rt
 
@@ -127,5 +127,6 @@ def test_unnamed_calls_share_one_key_whatever_their_lengths(daemon_addresses):
             client.close()
     for sums, keys in results:
         assert sums == [float(2 * i + 1) for i in range(len(lengths))]
-        assert set(keys) == {1}
-        assert dict(real[0]._rounds) == {"unnamed/allreduce": len(lengths)}
+        # Two fixed keys: the cross-rank check (reducer_client.collectives) and the data.
+        assert set(keys) == {2}
+        assert dict(real[0]._rounds) == {"hvd/control": len(lengths), "hvd/data": len(lengths)}

@@ -10,26 +10,83 @@
     rt.rank(), rt.size(), rt.local_rank(), rt.local_size(), rt.shutdown()
     rt.set_error_feedback(False)                # on by default for the 8-bit wires
 
+Horovod's names, with Horovod's meaning (porting is an import change):
+Compression, Average / Sum (Adasum, Min, Max, Product refused), allreduce
+(differentiable; average=, compression=, prescale / postscale), allreduce_,
+allreduce_async(_), grouped_allreduce(_/_async/_async_), allgather(_async),
+allgather_object, broadcast(_/_async/_async_), poll, synchronize, barrier,
+join, cross_rank, cross_size, the *_built / *_enabled queries, and
+DistributedOptimizer(compression=, gradient_predivide_factor=, ...).
+
 This package only converts tensors to and from NumPy and plugs into
 PyTorch's hook points; chunking, streams, retries and timeouts are the core's
 (reducer_client.api.Reducer is all it uses). Failures raise
 reducer_client.ReducerError.
 """
 
+from reducer_client.compression import Compression
 from reducer_client.errors import ReducerError
+from reducer_client.horovod import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    bind_basics,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from reducer_client.torch._basics import basics as _basics
 from reducer_client.torch._tensors import set_error_feedback
-from reducer_client.torch.functions import (
+from reducer_client.torch.broadcasts import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+)
+from reducer_client.torch.collectives import (
     allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    global_process_set,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    synchronize,
+)
+from reducer_client.torch.compat import DistributedOptimizer
+from reducer_client.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
 from reducer_client.torch.hooks import allreduce_hook
-from reducer_client.torch.optimizer import DEFAULT_BUCKET_BYTES, DistributedOptimizer
+from reducer_client.torch.join import join
+from reducer_client.torch.optimizer import DEFAULT_BUCKET_BYTES
 
-# Bound once in reducer_client.process, as Horovod binds its basics.
-init = _basics.init
+# Bound once in reducer_client.process, as Horovod binds its basics; init
+# also says (once, on rank 0) where the default wire differs from Horovod's.
+_horovod_basics = bind_basics(_basics)
+init = _horovod_basics["init"]
+cross_rank = _horovod_basics["cross_rank"]
+cross_size = _horovod_basics["cross_size"]
+is_homogeneous = _horovod_basics["is_homogeneous"]
 shutdown = _basics.shutdown
 is_initialized = _basics.is_initialized
 client = _basics.client
@@ -40,20 +97,59 @@ local_size = _basics.local_size
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "Adasum",
+    "Average",
+    "Compression",
     "DistributedOptimizer",
+    "Max",
+    "Min",
+    "Product",
     "ReducerError",
+    "Sum",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
     "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
     "allreduce_hook",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
     "client",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
     "init",
+    "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
     "rank",
+    "rocm_built",
     "set_error_feedback",
     "shutdown",
     "size",
+    "synchronize",
 ]

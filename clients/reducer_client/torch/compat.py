@@ -1,0 +1,130 @@
+"""Horovod's DistributedOptimizer signature over reducer_client.torch.optimizer.
+
+    opt = rt.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=rt.Compression.fp16, op=rt.Average,
+                                  gradient_predivide_factor=2.0)
+
+Horovod's keywords with Horovod's meaning: compression (the wire dtype;
+None: the client's), backward_passes_per_step, op (Average, Sum; Adasum is
+refused), gradient_predivide_factor (Average only). Horovod's positional
+order holds up to backward_passes_per_step (a compression in the third
+place, where our older signature had op, is taken as compression). num_groups
+and groups are accepted: gradients are grouped into buckets of about
+bucket_bytes anyway. sparse_as_dense=True is refused (sparse gradients are
+not supported). Ours on top: bucket_bytes, name, reducer, overlap_forward.
+
+Each step begins with a control round (reducer_client.steps), so a rank
+that has called join() can follow the others' steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from reducer_client.api import Reducer
+from reducer_client.compression import Compressor, wire_dtype_of
+from reducer_client.horovod import Average, resolve_op
+from reducer_client.steps import StepReducer
+from reducer_client.torch import optimizer as _optimizer
+from reducer_client.torch._basics import next_index, resolve
+
+__all__ = ["DistributedOptimizer", "joinable_optimizers"]
+
+# Optimizers made here, per base Reducer, for join's final sync (torch/join.py).
+_made: weakref.WeakKeyDictionary[Reducer, weakref.WeakSet] = weakref.WeakKeyDictionary()
+
+
+def joinable_optimizers(reducer: Reducer) -> list[torch.optim.Optimizer]:
+    """The DistributedOptimizers of `reducer`, in creation order."""
+    return sorted(_made.get(reducer, ()), key=lambda o: o._steps.tag)
+
+
+class _JoinableSteps:
+    """Mixed in front of the DistributedOptimizer's class: begins and ends each step."""
+
+    _steps: StepReducer
+    _shadowing: bool = False
+
+    def synchronize(self) -> None:
+        if not self._shadowing:
+            self._steps.begin_step()
+        super().synchronize()  # type: ignore[misc]
+
+    def step(self, closure=None):
+        self._steps.begin_step()
+        try:
+            return super().step(closure)  # type: ignore[misc]
+        finally:
+            self._steps.end_step()
+
+    step.hooked = True  # type: ignore[attr-defined]  # see optimizer.py
+
+    def _shadow_step(self) -> None:
+        """A joined rank's part in a step of the others: every bucket with zeros."""
+        self._shadowing = True
+        try:
+            self.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+            self.synchronize()
+        finally:
+            self._shadowing = False
+            self._synchronized = False  # this rank's own next step() reduces again
+            self.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _joinable_class(base: type) -> type:
+    return type(base.__name__, (_JoinableSteps, base),
+                {"__module__": base.__module__, "__doc__": base.__doc__})
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovod's name)
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: Any = None, backward_passes_per_step: int = 1,
+                         op: str | None = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None,
+                         sparse_as_dense: bool = False, process_set: Any = None, *,
+                         bucket_bytes: int = _optimizer.DEFAULT_BUCKET_BYTES,
+                         name: str | None = None, reducer: Reducer | None = None,
+                         overlap_forward: torch.nn.Module | None = None,
+                         ) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that step() applies gradients averaged over all ranks.
+
+    See reducer_client.torch.optimizer.DistributedOptimizer for how the
+    gradients travel, and the module docstring for Horovod's keywords.
+    """
+    if isinstance(compression, str) and compression in ("mean", "sum"):
+        compression, op = None, compression  # our older positional (optimizer, params, op)
+    if compression is not None and not isinstance(compression, Compressor | str):
+        raise TypeError(f"compression {compression!r}: use rt.Compression.none / .fp16 / ...")
+    if process_set is not None:
+        raise NotImplementedError("process sets are not supported by reducerd")
+    if sparse_as_dense:
+        raise NotImplementedError("sparse_as_dense: sparse gradients are not supported; "
+                                  "use dense embeddings (sparse=False)")
+    if num_groups < 0:
+        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+    op = resolve_op(op)
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if isinstance(optimizer, _optimizer._DistributedOptimizer):
+        raise TypeError("optimizer is already a DistributedOptimizer")
+    wire = wire_dtype_of(compression)
+    base = resolve(reducer)
+    holder: list[Any] = []
+    steps = StepReducer(base, wire, gradient_predivide_factor, op,
+                        shadow=lambda: holder[0]._shadow_step())
+    distributed = _optimizer.DistributedOptimizer(
+        optimizer, named_parameters, op=op, backward_passes_per_step=backward_passes_per_step,
+        bucket_bytes=bucket_bytes,
+        name=name if name is not None else f"optimizer.{next_index(base, 'optimizer')}",
+        reducer=steps, overlap_forward=overlap_forward)
+    distributed.__class__ = _joinable_class(type(distributed))
+    distributed._steps = steps
+    holder.append(weakref.proxy(distributed))
+    _made.setdefault(base, weakref.WeakSet()).add(distributed)
+    return distributed
