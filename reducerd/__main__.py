@@ -18,6 +18,7 @@ USAGE = """reducerd [--listen HOST:PORT] [options]    run the daemon (default 12
        reducerd --config FILE.toml --print-config  show the effective configuration
        reducerd status --address HOST:PORT        jobs, open rounds, throughput
        reducerd top --address HOST:PORT           the same, refreshed live
+       reducerd token --job JOB --auth-token-file F  print JOB's token (its shards alone)
        reducerd plan --model M --workers N --link RATE  project a cluster's traffic"""
 
 
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from reducerd.status import top_main
 
         return top_main(argv[1:])
+    if argv and argv[0] == "token":
+        from reducerd.access import main as token_main
+
+        return token_main(argv[1:])
     if argv and argv[0] == "bench":
         from reducerd.bench import main as bench_main
 

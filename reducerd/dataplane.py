@@ -22,7 +22,6 @@ Bounds, so that no client can hold the daemon's memory or threads for ever:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import struct
@@ -46,6 +45,7 @@ from reducer_wire.framing import (
     tune_socket,
 )
 
+from reducerd.access import Access
 from reducerd.replies import Reply
 from reducerd.session import END, DecodeFault, Session, Stream, daemon_fault_message, decode_request
 
@@ -106,11 +106,11 @@ class DataPlane:
     """Serves the data plane for `session` on its own threads."""
 
     def __init__(self, session: Session, loop: asyncio.AbstractEventLoop,
-                 token: str | None, max_message_bytes: int,
+                 access: Access, max_message_bytes: int,
                  send_timeout_s: float = 60.0) -> None:
         self.session = session
         self.loop = loop
-        self._token = token.encode() if token else None
+        self._access = access
         self.max_message_bytes = max_message_bytes
         self._send_timeout_s = send_timeout_s
         self._listener: socket.socket | None = None
@@ -197,7 +197,7 @@ class DataPlane:
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                  _timeval(self._send_timeout_s))
             conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            refusal = self._handshake(conn.sock)
+            refusal = self._handshake(conn)
             if refusal is None:
                 with self._lock:  # stop() either sees the registration or refuses us
                     conn.registered = not self._stopped
@@ -231,8 +231,10 @@ class DataPlane:
         finally:
             conn.reader_done.set()
 
-    def _handshake(self, sock: socket.socket) -> tuple[grpc.StatusCode, str] | None:
-        """Read the preface and HELLO; why the client is refused, or None."""
+    def _handshake(self, conn: _Connection) -> tuple[grpc.StatusCode, str] | None:
+        """Read the preface and HELLO; why the client is refused, or None. The
+        HELLO's token binds the connection to its job (a job token)."""
+        sock = conn.sock
         preface = bytearray(len(MAGIC))
         try:
             complete = recv_exactly(sock, memoryview(preface))
@@ -247,9 +249,11 @@ class DataPlane:
             return grpc.StatusCode.INVALID_ARGUMENT, f"bad HELLO frame: {exc}"
         if frame is None or frame[0] != HELLO:
             return grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be HELLO"
-        if self._token is not None and not hmac.compare_digest(bytes(frame[1]), self._token):
+        grant = self._access.grant(bytes(frame[1]))
+        if grant is None:
             return (grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong token in the data-plane HELLO")
+        conn.stream.job = grant.job
         if self.session.draining:
             return grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down"
         return None

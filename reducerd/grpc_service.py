@@ -19,6 +19,7 @@ import grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import __version__
+from reducerd.access import EVERY_JOB, Access, Grant
 from reducerd.session import END, Session, Stream, daemon_fault_message, decode_request
 
 __all__ = ["ReducerServicer", "INBAND_METADATA"]
@@ -59,6 +60,8 @@ class ReducerServicer:
         self.stalled_after_s = stalled_after_s
         # The TCP data plane's port, set by the daemon when it serves one.
         self.data_port = 0
+        # Which jobs a call's token reaches; set by the daemon (no token: all).
+        self.access = Access(None)
         self.started_s = time.monotonic()
         self._throughput: dict[str, _Throughput] = {}
 
@@ -76,8 +79,12 @@ class ReducerServicer:
     async def Reduce(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.session.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down")
-        inband = INBAND_METADATA in tuple(context.invocation_metadata() or ())
-        stream = Stream(context.peer(), inband)
+        metadata = tuple(context.invocation_metadata() or ())
+        grant = self.access.grant_for_metadata(metadata)
+        if grant is None:  # the interceptor refuses these first
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        assert grant is not None
+        stream = Stream(context.peer(), INBAND_METADATA in metadata, job=grant.job)
         self.session.open_stream(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
@@ -112,6 +119,12 @@ class ReducerServicer:
         stream.half_close()
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+        grant = (self.access.grant_for_metadata(context.invocation_metadata())
+                 if self.access.required else EVERY_JOB)
+        refusal = _status_refusal(grant, request)
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED if grant else
+                                grpc.StatusCode.UNAUTHENTICATED, refusal)
         try:
             return self._status(request)
         except Exception as exc:
@@ -147,3 +160,18 @@ class ReducerServicer:
             reply.stalled.add(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
                               world_size=world_size, missing_ranks=missing, age_s=age_s)
         return reply
+
+
+def _status_refusal(grant: Grant | None, request: pb.StatusRequest) -> str:
+    """Why this caller may not have this status, or ''. A job token reads the
+    brief status and its own job's."""
+    if grant is None:
+        return "missing or wrong token"
+    if grant.job is None or request.brief:
+        return ""
+    if request.job != grant.job:
+        asked = f"job {request.job!r}" if request.job else "every job"
+        return (f"the token is job {grant.job!r}'s: it reads that job's status "
+                f"(StatusRequest job={grant.job!r}, reducerd status --job) or the brief "
+                f"status, not {asked}'s")
+    return ""

@@ -9,7 +9,6 @@ and the server stops.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
+from reducerd.access import Access
 from reducerd.config import Config
 from reducerd.dataplane import DataPlane
 from reducerd.grpc_service import ReducerServicer
@@ -38,18 +38,18 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reducer"].full_name
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
-    """Refuse calls without `authorization: Bearer <token>` (constant-time compare)."""
+    """Refuse calls without `authorization: Bearer <token>`, the daemon token or a
+    job token (reducerd.access, constant-time); which jobs a job token reaches
+    the servicer checks."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, access: Access) -> None:
+        self._access = access
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)  # probes carry no token
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and hmac.compare_digest(
-                    value.encode() if isinstance(value, str) else value, self._expected):
-                return await continuation(details)
+        if self._access.grant_for_metadata(details.invocation_metadata) is not None:
+            return await continuation(details)
         return _deny(details.method)
 
 
@@ -100,8 +100,9 @@ class Daemon:
     async def _start_grpc(self, token: str | None) -> int:
         cfg = self.config
         interceptors = []
-        if token:
-            interceptors.append(_TokenAuth(token))
+        self.servicer.access = access = Access(token)
+        if access.required:
+            interceptors.append(_TokenAuth(access))
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -136,7 +137,7 @@ class Daemon:
         address = self.config.data_address
         if address is None:
             return
-        self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), token,
+        self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), Access(token),
                                     self.config.max_message_bytes,
                                     send_timeout_s=self.config.round_timeout_s)
         self.servicer.data_port = self.data_plane.start(*address)

@@ -26,6 +26,7 @@ import grpc
 from reducer_wire import dtypes
 from reducer_wire.codec import DecodeError, ShardView, decode_shard
 
+from reducerd.access import Grant
 from reducerd.config import DEFAULT_MAX_WORLD_SIZE
 from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
 from reducerd.replies import Reply, error_reply
@@ -61,8 +62,10 @@ class Stream:
     """
 
     def __init__(self, peer: str, inband_errors: bool, outbox: Any = None,
-                 frames: bool = False) -> None:
+                 frames: bool = False, job: str | None = None) -> None:
         self.peer = peer
+        # The one job its token allows (a job token), or None for every job.
+        self.job = job
         self.inband_errors = inband_errors
         self.frames = frames
         self.outbox = asyncio.Queue() if outbox is None else outbox
@@ -188,6 +191,12 @@ class Session:
             stream.end(grpc.StatusCode.INVALID_ARGUMENT,
                        f"invalid shard (job {shard.job!r} key {shard.key!r} round "
                        f"{shard.round} rank {shard.rank}): {problem}")
+            return False
+        if stream.job is not None and shard.job != stream.job:
+            # Before anything of it is counted: another job's sums stay its own.
+            stream.end(grpc.StatusCode.PERMISSION_DENIED,
+                       f"shard of job {shard.job!r} key {shard.key!r} refused: "
+                       f"{Grant(stream.job).refusal(shard.job)}")
             return False
         try:
             self._contribute(shard, stream)

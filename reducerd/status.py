@@ -26,6 +26,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from reducerd.access import token_job
+
 __all__ = ["main", "top_main", "fetch_status", "reply_to_dict", "render"]
 
 
@@ -39,9 +41,11 @@ def _parser(prog: str, live: bool) -> argparse.ArgumentParser:
         prog=prog, description=f"Show a reducerd daemon's jobs, open and stalled rounds and "
                                f"throughput, {what}.")
     parser.add_argument("--address", required=True, metavar="HOST:PORT")
-    parser.add_argument("--job", default="", help="only this job")
+    parser.add_argument("--job", default="", help="only this job (default with a job "
+                                                  "token: its job)")
     token = parser.add_mutually_exclusive_group()
-    token.add_argument("--token", help="bearer token of an authenticated daemon")
+    token.add_argument("--token", help="bearer token of an authenticated daemon: the "
+                                       "daemon token, or a job token (reducerd token)")
     token.add_argument("--token-file", metavar="FILE", help="read the token from FILE")
     parser.add_argument("--tls-ca", metavar="FILE", help="CA bundle: connect with TLS")
     parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
@@ -67,10 +71,11 @@ class _Client:
     def __init__(self, args: argparse.Namespace) -> None:
         self.address = args.address
         self.timeout_s = args.timeout
-        self.job = args.job
         token = args.token
         if args.token_file:
             token = Path(args.token_file).read_text().strip()
+        # A job token reads its own job's status alone: that job unless told otherwise.
+        self.job = args.job or (token_job(token) if token else None) or ""
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if args.tls_ca or args.tls_cert or args.tls_key:
             credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key,
@@ -97,6 +102,8 @@ def fetch_status(stub: Any, address: str, metadata: tuple[tuple[str, str], ...] 
         hint = {
             grpc.StatusCode.UNAUTHENTICATED: " (the daemon wants a token: --token-file FILE)",
             grpc.StatusCode.UNAVAILABLE: " (is the daemon running, and is this its address?)",
+            grpc.StatusCode.PERMISSION_DENIED: " (a job token reads its own job alone: "
+                                               "--job JOB)",
         }.get(code, "")  # type: ignore[call-overload]
         details = exc.details() if hasattr(exc, "details") else str(exc)
         name = code.name if code is not None else "ERROR"

@@ -146,3 +146,56 @@ def test_status_over_tls_and_mutual_tls_uses_the_shared_helper(tmp_path, pki, ca
         TLSConfig(ca_file=pki["ca"], cert_file=client_cert)
     with pytest.raises(ValueError, match="does not exist"):
         TLSConfig(ca_file=str(tmp_path / "missing.pem"))
+
+
+def test_job_token_command_prints_the_hmac_of_the_job_under_the_daemon_token(tmp_path):
+    """`reducerd token`: rj1.<job, base64url>.<HMAC-SHA256(daemon token, job), hex>."""
+    import base64
+    import hashlib
+    import hmac
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    run = subprocess.run([sys.executable, "-m", "reducerd", "token", "--job", "job/é 1",
+                          "--auth-token-file", str(token_file)], capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    mac = hmac.new(b"s3cret", "job/é 1".encode(), hashlib.sha256).hexdigest()
+    name = base64.urlsafe_b64encode("job/é 1".encode()).rstrip(b"=").decode()
+    assert run.stdout == f"rj1.{name}.{mac}\n"
+    missing = subprocess.run([sys.executable, "-m", "reducerd", "token", "--job", "j",
+                              "--auth-token-file", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "--auth-token-file" in missing.stderr
+
+
+@pytest.mark.parametrize("data_plane", ["tcp", "grpc"])
+def test_clients_and_status_take_a_job_token_like_any_token(tmp_path, capsys, data_plane):
+    from reducerd import status
+    from reducerd.access import job_token
+
+    token_file = tmp_path / "token"
+    token_file.write_text("daemon-token")
+    d = start_daemon("--auth-token-file", str(token_file), log_dir=tmp_path)
+    try:
+        mine = job_token("daemon-token", "tls")
+        with ReducerClient([d.address], job="tls", rank=0, world_size=1, timeout=5,
+                           token=mine, data_plane=data_plane) as client:
+            assert client.allreduce(np.arange(4, dtype=np.float32), key="k").tolist() == [
+                0, 1, 2, 3]
+            assert client.transports == [data_plane]
+        with ReducerClient([d.address], job="other", rank=0, world_size=1, timeout=5,
+                           token=mine, data_plane=data_plane) as client:
+            with pytest.raises(ReducerError) as info:
+                client.allreduce(np.arange(4, dtype=np.float32), key="k")
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "'other'" in str(info.value) and not info.value.retryable
+        base = ["--address", d.address, "--json", "--sample", "0", "--token", mine]
+        assert status.main(base) == 0  # its own job, without --job
+        assert [j["job"] for j in json.loads(capsys.readouterr().out)["jobs"]] == ["tls"]
+        assert status.main([*base, "--job", "other"]) == 1
+        assert "PERMISSION_DENIED" in capsys.readouterr().err
+    finally:
+        d.stop()
