@@ -24,7 +24,6 @@ PyTorch's hook points; chunking, streams, retries and timeouts are the core's
 reducer_client.ReducerError.
 """
 
-from reducer_client.compression import Compression
 from reducer_client.errors import ReducerError
 from reducer_client.horovod import (
     Adasum,
@@ -70,8 +69,9 @@ from reducer_client.torch.collectives import (
     poll,
     synchronize,
 )
-from reducer_client.torch.compat import DistributedOptimizer
-from reducer_client.torch.functions import (
+from reducer_client.torch.compat import (
+    Compression,
+    DistributedOptimizer,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,

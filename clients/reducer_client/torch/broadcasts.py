@@ -23,8 +23,10 @@ from reducer_client.exact import decode_exact, encode_exact, encoded_per_element
 from reducer_client.torch._basics import resolve
 from reducer_client.torch.collectives import (
     _check_set,
+    _claim,
     _dtype_name,
     _handle,
+    _release,
     allreduce,
     synchronize,
     to_like,
@@ -50,13 +52,19 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     per_row = int(np.prod(tensor.shape[1:], dtype=np.int64)) * encoded_per_element(host.dtype)
     call = coll.Call(coll.ALLGATHER, name, _dtype_name(tensor.dtype), tuple(tensor.shape),
                      per_row)
-    future = coll.allgather_async(resolve(reducer), encode_exact(host), call)
+    reducer = resolve(reducer)
+    claim = _claim(reducer, name)
+    try:
+        future = coll.allgather_async(reducer, encode_exact(host), call)
+    except BaseException:
+        _release(claim)
+        raise
 
     def finish(result: tuple[np.ndarray, list[int]]) -> torch.Tensor:
         rows, counts = result
         values = decode_exact(rows, host.dtype, (sum(counts), *tensor.shape[1:]))
         return to_like(values, tensor)
-    return _handle(future, finish)
+    return _handle(future, finish, claim)
 
 
 class _Allgather(torch.autograd.Function):
@@ -101,13 +109,18 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
     encoded = encode_exact(host)
     call = coll.Call(coll.BROADCAST, name, _dtype_name(tensor.dtype), tuple(tensor.shape),
                      encoded.size, root_rank=root_rank)
-    future = coll.broadcast_async(reducer, encoded, call)
+    claim = _claim(reducer, name)
+    try:
+        future = coll.broadcast_async(reducer, encoded, call)
+    except BaseException:
+        _release(claim)
+        raise
 
     def finish(result: np.ndarray) -> torch.Tensor:
         with torch.no_grad():
             output.copy_(to_like(decode_exact(result, host.dtype, host.shape), output))
         return output
-    return _handle(future, finish)
+    return _handle(future, finish, claim)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,

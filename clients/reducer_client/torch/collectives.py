@@ -58,16 +58,38 @@ def _name_first(average: Any, name: str | None) -> tuple[bool | None, str | None
     return average, name
 
 
-# Handles of the async forms: handle -> (future, finish). _handles_lock guards them.
-_handles: dict[int, tuple[Future, Callable[[Any], Any]]] = {}
+# Handles of the async forms: handle -> (future, finish, name); the names of
+# those not synchronized yet. _handles_lock guards both (callers' threads).
+_handles: dict[int, tuple[Future, Callable[[Any], Any], tuple[int, str] | None]] = {}
+_names_in_flight: set[tuple[int, str]] = set()  # (id of the reducer, name)
 _handles_lock = threading.Lock()
 _next_handle = itertools.count(1)
 
 
-def _handle(future: Future, finish: Callable[[Any], Any]) -> int:
+def _claim(reducer: Reducer, name: str | None) -> tuple[int, str] | None:
+    """ValueError if an operation of that name is not synchronized yet (Horovod's rule)."""
+    if name is None:
+        return None
+    key = (id(reducer), name)
+    with _handles_lock:
+        if key in _names_in_flight:
+            raise ValueError(f"an operation named {name!r} is still in flight: synchronize "
+                             "it before starting another of the same name")
+        _names_in_flight.add(key)
+    return key
+
+
+def _release(claim: tuple[int, str] | None) -> None:
+    with _handles_lock:
+        if claim is not None:
+            _names_in_flight.discard(claim)
+
+
+def _handle(future: Future, finish: Callable[[Any], Any],
+            claim: tuple[int, str] | None = None) -> int:
     with _handles_lock:
         handle = next(_next_handle)
-        _handles[handle] = (future, finish)
+        _handles[handle] = (future, finish, claim)
     return handle
 
 
@@ -84,9 +106,11 @@ def synchronize(handle: int) -> Any:
     """Wait for the operation of `handle` and return its output tensor(s)."""
     with _handles_lock:
         entry = _handles.pop(handle, None)
+        if entry is not None and entry[2] is not None:
+            _names_in_flight.discard(entry[2])
     if entry is None:
         raise ValueError(f"unknown handle {handle!r} (already synchronized?)")
-    future, finish = entry
+    future, finish, _ = entry
     return finish(future.result())  # the client's timeout bounds the wait
 
 
@@ -99,6 +123,7 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
     the tensors themselves when in_place.
     """
     wire = wire_dtype_of(compression)
+    claim = _claim(reducer, name)
     floats = all(t.is_floating_point() for t in tensors)
     dtype = (_dtype_name(tensors[0].dtype) if floats else
              next(_dtype_name(t.dtype) for t in tensors if not t.is_floating_point()))
@@ -126,7 +151,11 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
                                        for t in tensors])
         if prescale != 1.0:
             values *= prescale
-    future = coll.allreduce_async(reducer, values, call, out=out)
+    try:
+        future = coll.allreduce_async(reducer, values, call, out=out)
+    except BaseException:
+        _release(claim)
+        raise
 
     def finish(result: np.ndarray) -> Any:
         if postscale != 1.0:
@@ -144,7 +173,7 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
                     tensor.copy_(torch.from_numpy(np.ascontiguousarray(part)))
                 results.append(tensor)
         return results[0] if single else results
-    return _handle(future, finish)
+    return _handle(future, finish, claim)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,

@@ -26,14 +26,93 @@ from typing import Any
 
 import torch
 
+from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.compression import Compressor, wire_dtype_of
 from reducer_client.horovod import Average, resolve_op
 from reducer_client.steps import StepReducer
+from reducer_client.torch import functions as _functions
 from reducer_client.torch import optimizer as _optimizer
 from reducer_client.torch._basics import next_index, resolve
 
-__all__ = ["DistributedOptimizer", "joinable_optimizers"]
+
+class _TorchCompressor(Compressor):
+    """A Compressor whose compress / decompress cast torch tensors, as Horovod's do.
+
+    The shim never calls them (the core converts to the wire dtype); they
+    are there for code that compresses by hand.
+    """
+
+    def __init__(self, name: str, wire_dtype: str, cast: torch.dtype | None) -> None:
+        super().__init__(name, wire_dtype)
+        self.cast = cast
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        if self.cast is None or not tensor.is_floating_point():
+            return tensor, None
+        return tensor.to(self.cast), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """Horovod's torch Compression: the wire dtype (reducer_client.compression)."""
+
+    none = _TorchCompressor("none", "float32", None)
+    fp16 = _TorchCompressor("fp16", "float16", torch.float16)
+    bf16 = _TorchCompressor("bf16", "bfloat16", torch.bfloat16)
+    int8 = _TorchCompressor("int8", "int8", None)
+    fp8_e4m3 = _TorchCompressor("fp8_e4m3", "fp8_e4m3", None)
+    fp8_e5m2 = _TorchCompressor("fp8_e5m2", "fp8_e5m2", None)
+
+
+def _agree_on_root(reducer: Reducer, what: str, root_rank: int, count: int) -> None:
+    """Fail every rank at once (naming them) unless all give the same root_rank."""
+    call = coll.Call(coll.CHECK, what, "float32", (count,), 0, root_rank=root_rank)
+    coll.check(coll.control_async(reducer, call).result(), call)
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0, *,
+                         reducer: Reducer | None = None) -> None:
+    """Overwrite the tensors on every rank with root_rank's (functions.py), after
+    checking that every rank names the same root and number of tensors."""
+    reducer = resolve(reducer)
+    items = list(params.items()) if isinstance(params, dict) else list(params)
+    _agree_on_root(reducer, "broadcast_parameters", root_rank, len(items))
+    _functions.broadcast_parameters(items, root_rank, reducer=reducer)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, *,
+                     reducer: Reducer | None = None) -> Any:
+    """root_rank's `obj` on every rank (functions.py), the root checked first."""
+    reducer = resolve(reducer)
+    _agree_on_root(reducer, "broadcast_object", root_rank, 0)
+    return _functions.broadcast_object(obj, root_rank, name, reducer=reducer)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, *,
+                              reducer: Reducer | None = None) -> None:
+    """Make every rank's optimizer state root_rank's (functions.py), as Horovod does.
+
+    An optimizer without state gets it first, as with Horovod: each
+    parameter that requires grad and has no .grad gets a zero one, and the
+    wrapped optimizer's own step (no reduction) creates the state.
+    """
+    reducer = resolve(reducer)
+    _agree_on_root(reducer, "broadcast_optimizer_state", root_rank, 0)
+    if not optimizer.state_dict()["state"]:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        plain = next(c for c in type(optimizer).__mro__
+                     if not issubclass(c, (_JoinableSteps, _optimizer._DistributedOptimizer)))
+        plain.step(optimizer)
+    _functions.broadcast_optimizer_state(optimizer, root_rank, reducer=reducer)
+
+__all__ = ["DistributedOptimizer", "joinable_optimizers", "Compression",
+           "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
 
 # Optimizers made here, per base Reducer, for join's final sync (torch/join.py).
 _made: weakref.WeakKeyDictionary[Reducer, weakref.WeakSet] = weakref.WeakKeyDictionary()
