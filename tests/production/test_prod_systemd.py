@@ -4,10 +4,13 @@ Scenarios: both units pass `systemd-analyze verify` and stay under an exposure
 of 2.0; the daemon, started with the unit's own ExecStart arguments, a token
 credential and NOTIFY_SOCKET on a datagram socket that the test holds, sends
 READY=1 only once health checks answer SERVING, pings WATCHDOG=1 when
-WATCHDOG_USEC is set, and sends STOPPING=1 on SIGTERM before exiting 0.
+WATCHDOG_USEC is set, and sends STOPPING=1 on SIGTERM before exiting 0. The
+template belongs to reducerd.target and asserts its CPU; the daemon's lines
+carry sd-daemon priority prefixes exactly when stderr is $JOURNAL_STREAM.
 """
 
 import argparse
+import logging
 import os
 import re
 import shutil
@@ -27,6 +30,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
 from reducerd.config import add_arguments, config_from_args
+from reducerd.logs import JournalFormatter, stderr_is_journal, syslog_priority
 from reducerd.notify import Notifier
 
 SYSTEMD = DEPLOY / "systemd"
@@ -79,6 +83,85 @@ def test_template_maps_instance_to_port_offset_and_cpu():
     assert args[args.index("--port-offset") + 1] == "%i"
     assert "CPUAffinity=%i" in (SYSTEMD / "reducerd@.service").read_text()
     assert "--port-offset" not in exec_start_args(SYSTEMD / "reducerd.service")
+
+
+def unit_settings(path) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_the_template_belongs_to_the_target_and_refuses_a_missing_cpu():
+    """The tier under a booted systemd shows what these lines do (tests/deploy)."""
+    template = unit_settings(SYSTEMD / "reducerd@.service")
+    assert template["PartOf"] == ["reducerd.target"]
+    # Stop order is start order reversed: the target's stop waits for the instances.
+    assert "reducerd.target" in template["After"]
+    assert template["WantedBy"] == ["reducerd.target"]
+    assert template["AssertCPUs"] == [">%i"]
+    assert template["RestartPreventExitStatus"] == ["2 215"]
+    for unit in ("reducerd.service", "reducerd@.service"):
+        assert unit_settings(SYSTEMD / unit)["ReadOnlyPaths"] == ["/etc/reducerd"], unit
+    assert unit_settings(SYSTEMD / "reducerd.target")["WantedBy"] == ["multi-user.target"]
+
+
+def _journal_stream(path) -> dict[str, str]:
+    stat = os.stat(path)
+    return {"JOURNAL_STREAM": f"{stat.st_dev}:{stat.st_ino}"}
+
+
+def test_log_lines_carry_their_priority_only_when_stderr_is_the_journal(tmp_path):
+    stream_path = tmp_path / "stderr"
+    with open(stream_path, "w") as stream, open(tmp_path / "other", "w") as other:
+        assert stderr_is_journal(_journal_stream(stream_path), stream)
+        assert not stderr_is_journal(_journal_stream(stream_path), other)  # inherited only
+        assert not stderr_is_journal({}, stream)
+        assert not stderr_is_journal({"JOURNAL_STREAM": "x:y"}, stream)
+    assert [syslog_priority(level) for level in (logging.CRITICAL, logging.ERROR,
+            logging.WARNING, logging.INFO, logging.DEBUG)] == [2, 3, 4, 6, 7]
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("reducerd", logging.ERROR, __file__, 1, "failed %s",
+                                   ("x",), sys.exc_info())
+    lines = JournalFormatter().format(record).split("\n")
+    assert lines[0] == "<3>ERROR reducerd: failed x"
+    assert len(lines) > 2 and all(line.startswith("<3>") for line in lines), lines
+
+
+def test_the_daemon_writes_journal_prefixes_under_systemd(tmp_path):
+    """As the unit runs it: a config error at priority 3, a bad flag too, and
+    the serving daemon's lines at 6, without a timestamp of their own."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('listen = "127.0.0.1:0"\nround-timout = 5\n')
+    stderr_path = tmp_path / "stderr"
+    for args, wanted in ((["--config", str(bad)], "<3>reducerd: config: unknown key"),
+                         (["--no-such-flag"], "<3>reducerd: error: unrecognized")):
+        with open(stderr_path, "w") as stderr:
+            code = subprocess.run([sys.executable, "-m", "reducerd", *args], stderr=stderr,
+                                  env={**os.environ, **_journal_stream(stderr_path)},
+                                  timeout=30).returncode
+        assert code == 2 and wanted in stderr_path.read_text(), stderr_path.read_text()
+    with open(stderr_path, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "reducerd", "--listen", "127.0.0.1:0"],
+                                   stderr=stderr, env={**os.environ,
+                                                       **_journal_stream(stderr_path)})
+    try:
+        deadline = time.monotonic() + 30
+        while "listening on" not in stderr_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    lines = stderr_path.read_text().splitlines()
+    assert lines and all(re.match(r"<[3-7]>[A-Z]+ reducerd", line) for line in lines), lines
+    assert any(line.startswith("<6>INFO reducerd: listening on") for line in lines), lines
 
 
 @pytest.mark.parametrize("abstract", [False, True])
