@@ -28,7 +28,7 @@ from deploy_docker import Engine, build_image, engine_lock, pod_run_args, wheel_
 from deploy_host import ROOT, require
 from deploy_machine import PROBE
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(300)
 
 K8S = ROOT / "deploy" / "k8s"
 TOKEN = "deploy-image-token"
@@ -70,6 +70,7 @@ def engine(request, tmp_path_factory):
             docker.stop()
 
 
+@pytest.mark.timeout(1200)  # set-up on a bare machine: packages, debootstrap, a cold build
 def test_the_image_has_the_extension_the_user_and_the_ports(engine):
     context = re.search(r"transferring context: ([\d.]+)([kM]?B)", engine.build_log)
     assert context, engine.build_log[-3000:]
@@ -151,7 +152,9 @@ def test_daemons_with_the_pods_settings_reduce_the_jobs_workers(engine, pods):
     world_size = JOB["spec"]["completions"]
     env = {**os.environ, "REDUCER_ADDRESSES": ",".join(addresses),
            "REDUCER_WORLD_SIZE": str(world_size), "REDUCER_JOB": JOB["metadata"]["name"],
-           "REDUCER_TOKEN": TOKEN, "REDUCER_TIMEOUT": "30"}
+           "REDUCER_TOKEN": TOKEN, "REDUCER_TIMEOUT": "30",
+           # The data plane or nothing (the Job's "auto" would fall back to gRPC).
+           "REDUCER_DATA_PLANE": "tcp"}
     workers = [subprocess.Popen([sys.executable, *script[1:]],
                                 env={**env, "REDUCER_RANK": str(rank)}, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -167,7 +170,6 @@ def test_daemons_with_the_pods_settings_reduce_the_jobs_workers(engine, pods):
     for rank, (w, out) in enumerate(zip(workers, outputs, strict=True)):
         assert w.returncode == 0, f"rank {rank}:\n{out}\n{logs}"
         assert f"rank {rank} of {world_size}: allreduce gave" in out, out
-        # A data port that cannot be reached is a warning, then gRPC: not here.
         assert "unreachable" not in out, out
 
     started = time.monotonic()
