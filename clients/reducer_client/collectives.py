@@ -169,8 +169,9 @@ def check(rows: np.ndarray, call: Call) -> int:
                                f"{call.describe()}: ranks disagree on {field} ({parts})")
     bad = sorted({_dtype_of(rows[r]) for r in active} - FLOAT_DTYPES)
     if call.kind == ALLREDUCE and bad:
-        raise TypeError(f"{call.describe()}: dtype {', '.join(bad)} cannot be reduced: the "
-                        "wire carries floating-point values only")
+        raise TypeError(f"{call.describe()}: dtype {', '.join(bad)} cannot be reduced: "
+                        "allreduce carries floating point values only (floating-point "
+                        "dtypes; broadcast and allgather carry any dtype)")
     return len(active)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from reducer_client.api import Reducer
 
-__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "resolve_op",
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "resolve_op", "UnsupportedOpError",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
            "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
            "is_homogeneous", "cross_rank", "cross_size", "announce_wire", "QUERIES",
@@ -35,12 +35,16 @@ Max = "max"
 Product = "product"
 
 _UNSUPPORTED = {
-    Adasum: "Adasum is not supported by reducerd: the daemons sum (op=Sum) or average "
-            "(op=Average); use op=Average (and the usual learning-rate scaling by size())",
-    Min: "op=Min is not supported by reducerd: the daemons only sum or average",
-    Max: "op=Max is not supported by reducerd: the daemons only sum or average",
-    Product: "op=Product is not supported by reducerd: the daemons only sum or average",
+    Adasum: ("Adasum", "the daemons sum (op=Sum) or average (op=Average); use op=Average "
+             "(and the usual learning-rate scaling by size())"),
+    Min: ("Min", "the daemons only sum or average"),
+    Max: ("Max", "the daemons only sum or average"),
+    Product: ("Product", "the daemons only sum or average"),
 }
+
+
+class UnsupportedOpError(NotImplementedError, ValueError):
+    """An op reducerd cannot do (Adasum, Min, Max, Product); also a ValueError."""
 
 
 def resolve_op(op: str | None = None, average: bool | None = None) -> str:
@@ -56,7 +60,8 @@ def resolve_op(op: str | None = None, average: bool | None = None) -> str:
     if op is None:
         return Sum if average is False else Average
     if op in _UNSUPPORTED:
-        raise NotImplementedError(_UNSUPPORTED[op])
+        what, reason = _UNSUPPORTED[op]
+        raise UnsupportedOpError(f"op {op!r} ({what}) is not supported by reducerd: {reason}")
     if op not in (Average, Sum):
         raise ValueError(f"op {op!r}: one of Average ({Average!r}), Sum ({Sum!r})")
     return op

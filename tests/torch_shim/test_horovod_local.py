@@ -113,10 +113,10 @@ def test_op_rules_and_adasum_refused():
     assert horovod.resolve_op(hvd.Sum) == "sum"
     with pytest.raises(ValueError, match="supersedes average"):
         horovod.resolve_op(hvd.Sum, True)
-    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
+    with pytest.raises(NotImplementedError, match="Adasum.* not supported"):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum, reducer=LocalGroup(1).client(0))
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
+    with pytest.raises(NotImplementedError, match="Adasum.* not supported"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  op=hvd.Adasum, reducer=LocalGroup(1).client(0))
     with pytest.raises(ValueError, match="op != Average"):

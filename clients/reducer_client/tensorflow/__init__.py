@@ -10,6 +10,16 @@
     t = rtf.allreduce(tensor, name="x", op="mean")
     rtf.rank(), rtf.size(), rtf.local_rank(), rtf.local_size(), rtf.shutdown()
 
+Horovod's names with Horovod's meaning (horovod.tensorflow and
+horovod.tensorflow.keras; `import reducer_client.tensorflow.keras as hvd`
+works too): Compression, Average / Sum (Adasum, Min, Max, Product refused),
+allreduce, grouped_allreduce, allgather, broadcast, broadcast_object,
+allgather_object, barrier, join, cross_rank, cross_size, the *_built
+queries, callbacks.MetricAverageCallback / LearningRateWarmupCallback /
+LearningRateScheduleCallback, and DistributedOptimizer(compression=,
+backward_passes_per_step=, average_aggregated_gradients=,
+gradient_predivide_factor=) (compat.py, horovod_optimizer.py).
+
 The shim only converts tensors to and from NumPy and plugs into Keras and
 tf.GradientTape; chunking, streams and retries stay in the core. Its parts:
 _basics (init, rank, ... bound from reducer_client.process), _bridge (the
@@ -32,15 +42,58 @@ broadcasts), optimizer, gradient_tape, callbacks. What a step sends:
 """
 
 from reducer_client.errors import ReducerError
+from reducer_client.horovod import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    bind_basics,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from reducer_client.tensorflow import callbacks
 from reducer_client.tensorflow._basics import basics as _basics
-from reducer_client.tensorflow.callbacks import BroadcastGlobalVariablesCallback
-from reducer_client.tensorflow.functions import allreduce, broadcast, broadcast_variables
-from reducer_client.tensorflow.gradient_tape import DistributedGradientTape
-from reducer_client.tensorflow.optimizer import DistributedOptimizer, load_model
+from reducer_client.tensorflow.callbacks import (
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+)
+from reducer_client.tensorflow.compat import (
+    Compression,
+    allgather,
+    allgather_object,
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    broadcast_variables,
+    grouped_allreduce,
+    join,
+)
+from reducer_client.tensorflow.horovod_optimizer import (
+    DistributedGradientTape,
+    DistributedOptimizer,
+)
+from reducer_client.tensorflow.optimizer import load_model
 
-# Bound once in reducer_client.process, as Horovod binds its basics.
-init = _basics.init
+# Bound once in reducer_client.process, as Horovod binds its basics; init
+# also says (once, on rank 0) where the default wire differs from Horovod's.
+_horovod_basics = bind_basics(_basics)
+init = _horovod_basics["init"]
+cross_rank = _horovod_basics["cross_rank"]
+cross_size = _horovod_basics["cross_size"]
+is_homogeneous = _horovod_basics["is_homogeneous"]
 shutdown = _basics.shutdown
 is_initialized = _basics.is_initialized
 client = _basics.client
@@ -50,6 +103,13 @@ local_rank = _basics.local_rank
 local_size = _basics.local_size
 
 __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "local_rank",
-           "local_size", "allreduce", "broadcast", "broadcast_variables",
+           "local_size", "cross_rank", "cross_size", "is_homogeneous", "allreduce",
+           "grouped_allreduce", "allgather", "allgather_object", "broadcast",
+           "broadcast_object", "broadcast_variables", "barrier", "join",
            "DistributedOptimizer", "DistributedGradientTape",
-           "BroadcastGlobalVariablesCallback", "load_model", "callbacks", "ReducerError"]
+           "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "load_model",
+           "callbacks", "ReducerError", "Compression", "Average", "Sum", "Adasum", "Min",
+           "Max", "Product", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+           "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
+           "cuda_built", "rocm_built"]

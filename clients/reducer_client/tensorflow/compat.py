@@ -1,0 +1,283 @@
+"""Horovod's TensorFlow collectives: allreduce, grouped_allreduce, allgather,
+broadcast, broadcast_object, allgather_object, barrier, join.
+
+Horovod's signatures and meaning (horovod.tensorflow and .keras): op=
+Average / Sum (or the deprecated average=), compression= (the wire dtype,
+reducer_client.compression; default: the client's), prescale / postscale
+factors. Every call is checked across ranks first
+(reducer_client.collectives): shape, dtype, root_rank, op or compression
+that differ between ranks fail every rank at once, naming them. Calls pair
+up in call order (inside a tf.function the stateful ops keep program
+order). Each runs eagerly, or as one stateful tf.numpy_function op in a
+graph (not under XLA: jit_compile=False). allreduce carries floating point
+(an integer tensor fails on every rank) and has Horovod's gradient (the
+allreduce of the output's gradient); broadcast and allgather are exact for
+every dtype; allgather costs world_size times a ring's bytes.
+device_dense / device_sparse / process_set / ignore_name_scope are
+accepted for Horovod's signatures (one process set: the whole job).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from reducer_client import collectives as coll
+from reducer_client.api import Reducer
+from reducer_client.compression import Compressor, wire_dtype_of
+from reducer_client.exact import decode_exact, encode_exact, encoded_per_element
+from reducer_client.horovod import resolve_op
+from reducer_client.tensorflow._basics import basics
+from reducer_client.tensorflow._bridge import _in_xla_context, densify
+from reducer_client.tensorflow.functions import broadcast_variables as assign_from_root
+
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_object",
+           "allgather_object", "barrier", "join", "check_root", "Compression",
+           "broadcast_variables"]
+
+
+class _TFCompressor(Compressor):
+    """A Compressor whose compress / decompress cast tf tensors, as Horovod's do
+    (the shim never calls them: the core converts to the wire dtype)."""
+
+    def __init__(self, name: str, wire_dtype: str, cast: tf.DType | None) -> None:
+        super().__init__(name, wire_dtype)
+        self.cast = cast
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:  # type: ignore[override]
+        tensor = tf.convert_to_tensor(tensor)
+        if self.cast is None or not tensor.dtype.is_floating:
+            return tensor, None
+        return tf.cast(tensor, self.cast), tensor.dtype
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:  # type: ignore[override]
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class Compression:
+    """Horovod's tf Compression: the wire dtype (reducer_client.compression)."""
+
+    none = _TFCompressor("none", "float32", None)
+    fp16 = _TFCompressor("fp16", "float16", tf.float16)
+    bf16 = _TFCompressor("bf16", "bfloat16", tf.bfloat16)
+    int8 = _TFCompressor("int8", "int8", None)
+    fp8_e4m3 = _TFCompressor("fp8_e4m3", "fp8_e4m3", None)
+    fp8_e5m2 = _TFCompressor("fp8_e5m2", "fp8_e5m2", None)
+
+
+def _check_set(process_set: Any) -> None:
+    if process_set is not None:
+        raise NotImplementedError("process sets are not supported by reducerd: every "
+                                  "collective spans the whole job")
+
+
+def _run(fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType,
+         what: str) -> tf.Tensor:
+    """fn on the inputs' NumPy values, eagerly or as one stateful graph op."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]), dtype=dtype)
+    if _in_xla_context():
+        raise ValueError(f"reducer_client.tensorflow: {what} runs as a Python op "
+                         "(tf.numpy_function) that XLA cannot compile: compile with "
+                         "jit_compile=False")
+    return tf.numpy_function(fn, inputs, dtype, stateful=True, name=f"Reducer_{what}")
+
+
+def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: str | None,
+                    pre: float, post: float, reducer: Reducer | None) -> list[tf.Tensor]:
+    """One checked, fused allreduce of dense tensors; each result in its dtype and shape."""
+    single = len(tensors) == 1
+    dtype_names = [t.dtype.name for t in tensors]
+    floats = all(t.dtype.is_floating for t in tensors)
+    flat = (tf.reshape(tf.cast(tensors[0], tf.float32) if floats else tensors[0], [-1])
+            if single else tf.concat([tf.reshape(tf.cast(t, tf.float32) if floats else
+                                                 tf.zeros_like(t, tf.float32), [-1])
+                                      for t in tensors], axis=0))
+    bad = next((n for n in dtype_names if not tf.as_dtype(n).is_floating), None)
+
+    def body(values: np.ndarray) -> np.ndarray:
+        target = basics.resolve(reducer)
+        shape = tuple(tensors[0].shape) if single else (values.size,)
+        if None in shape:  # a graph with unknown dimensions: the runtime shape
+            shape = (values.size,)
+        call = coll.Call(coll.ALLREDUCE, name, bad or dtype_names[0], shape, values.size,
+                         op=op, wire=wire, tag=0 if single else len(tensors),
+                         signature="" if single else repr([(t.dtype.name, tuple(t.shape))
+                                                           for t in tensors]))
+        floats_in = None if bad else values.reshape(-1)  # float32 (cast above)
+        if floats_in is not None and pre != 1.0:
+            floats_in = floats_in * pre
+        result = coll.allreduce_async(target, floats_in, call).result()
+        if post != 1.0:
+            result = result * post
+        return np.asarray(result, dtype=np.float32)
+    out = _run(body, [flat], tf.float32, "allreduce")
+    sizes = [tf.size(t) for t in tensors]
+    parts = [out] if single else tf.split(out, tf.stack(sizes), num=len(tensors))
+    results = []
+    for part, tensor in zip(parts, tensors, strict=True):
+        result = tf.cast(tf.reshape(part, tf.shape(tensor)), tensor.dtype)
+        result.set_shape(tensor.shape)
+        results.append(result)
+    return results
+
+
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression: Any = None, op: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: str | None = None, process_set: Any = None,
+              ignore_name_scope: bool = False, *, reducer: Reducer | None = None,
+              ) -> tf.Tensor:
+    """Average (op=Average, the default) or sum a tensor over all ranks; same dtype back.
+
+    IndexedSlices come back dense (their dense sum is reduced). A str in
+    average's place is taken as the name (this shim's older signature).
+    """
+    _check_set(process_set)
+    if isinstance(average, str):
+        average, name = None, average
+    op = resolve_op(op, average)
+    wire = wire_dtype_of(compression)
+    value = densify(tensor)
+
+    if not value.dtype.is_floating:
+        return _allreduce_flat([value], name, op, wire, prescale_factor, postscale_factor,
+                               reducer)[0]
+
+    @tf.custom_gradient
+    def reduce(x):
+        def grad(dy):
+            return _allreduce_flat([tf.convert_to_tensor(dy)], None, op, wire,
+                                   prescale_factor, postscale_factor, reducer)[0]
+        return _allreduce_flat([x], name, op, wire, prescale_factor, postscale_factor,
+                               reducer)[0], grad
+    return reduce(value)
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: Any = None, op: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = None, *, name: str | None = None,
+                      reducer: Reducer | None = None) -> list[tf.Tensor]:
+    """allreduce of each tensor of the list in one fused call."""
+    _check_set(process_set)
+    return _allreduce_flat([densify(t) for t in tensors], name, resolve_op(op, average),
+                           wire_dtype_of(compression), prescale_factor, postscale_factor,
+                           reducer)
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = None, *, reducer: Reducer | None = None) -> tf.Tensor:
+    """Every rank's tensor concatenated along dimension 0, in rank order (exact).
+
+    First dimensions may differ between ranks; in a graph the result's first
+    dimension is unknown until it runs.
+    """
+    _check_set(process_set)
+    value = tf.convert_to_tensor(tensor)
+    if value.shape.rank == 0:
+        raise ValueError("allgather needs a tensor of at least one dimension")
+
+    def body(array: np.ndarray) -> np.ndarray:
+        per_row = int(np.prod(array.shape[1:], dtype=np.int64)) * encoded_per_element(
+            array.dtype)
+        call = coll.Call(coll.ALLGATHER, name, value.dtype.name, tuple(array.shape), per_row)
+        rows, counts = coll.allgather_async(basics.resolve(reducer), encode_exact(array),
+                                            call).result()
+        return decode_exact(rows, array.dtype, (sum(counts), *array.shape[1:]))
+    out = _run(body, [value], value.dtype, "allgather")
+    out.set_shape([None, *value.shape[1:]])
+    return out
+
+
+def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
+              ignore_name_scope: bool = False, process_set: Any = None, *,
+              reducer: Reducer | None = None) -> tf.Tensor:
+    """root_rank's value of `tensor` on every rank, bit for bit (any dtype)."""
+    _check_set(process_set)
+    value = tf.convert_to_tensor(tensor)
+
+    def body(array: np.ndarray) -> np.ndarray:
+        encoded = encode_exact(array)
+        call = coll.Call(coll.BROADCAST, name, value.dtype.name, tuple(array.shape),
+                         encoded.size, root_rank=root_rank)
+        result = coll.broadcast_async(basics.resolve(reducer), encoded, call).result()
+        return decode_exact(result, array.dtype, array.shape)
+    out = _run(body, [value], value.dtype, "broadcast")
+    out.set_shape(value.shape)
+    return out
+
+
+def check_root(what: str, root_rank: int, count: int, reducer: Reducer | None) -> Any:
+    """Every rank must name the same root_rank (and count): an op in a graph, else None."""
+    call = coll.Call(coll.CHECK, what, "float32", (count,), 0, root_rank=root_rank)
+
+    def body() -> np.ndarray:
+        coll.check(coll.control_async(basics.resolve(reducer), call).result(), call)
+        return np.zeros(0, np.float32)
+    if tf.executing_eagerly():
+        body()
+        return None
+    return tf.numpy_function(body, [], tf.float32, stateful=True, name="Reducer_check")
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None, *, reducer: Reducer | None = None) -> Any:
+    """root_rank's (picklable) `obj` on every rank (eagerly)."""
+    _check_set(process_set)
+    target = basics.resolve(reducer)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if target.rank == root_rank \
+        else np.zeros(0, np.uint8)
+    size = broadcast(tf.constant([payload.size], tf.int64), root_rank, reducer=target)
+    if target.rank != root_rank:
+        payload = np.zeros(int(size.numpy()[0]), np.uint8)
+    data = broadcast(tf.constant(payload), root_rank, name=name, reducer=target)
+    return obj if target.rank == root_rank else pickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, *,
+                     reducer: Reducer | None = None) -> list[Any]:
+    """Every rank's (picklable) `obj`, as a list in rank order (eagerly)."""
+    _check_set(process_set)
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = allgather(tf.constant([payload.size], tf.int64), reducer=reducer).numpy()
+    data = allgather(tf.constant(payload), name=name, reducer=reducer).numpy().tobytes()
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def barrier(process_set: Any = None, *, reducer: Reducer | None = None) -> None:
+    """Return once every rank has called barrier() (eagerly)."""
+    _check_set(process_set)
+    target = basics.resolve(reducer)
+    call = coll.Call(coll.CHECK, "barrier", "float32", (), 0)
+    coll.check(coll.control_async(target, call).result(), call)
+
+
+def join(*, reducer: Reducer | None = None) -> int:
+    """Follow the other ranks' allreduce, grouped_allreduce, allgather and
+    broadcast calls until every rank has joined; the rank that joined last.
+
+    Eagerly. The DistributedOptimizer and DistributedGradientTape reduce in
+    one call per step without the cross-rank check, so a joined rank cannot
+    follow their steps here (the torch shim's optimizer can).
+    """
+    return coll.join(basics.resolve(reducer))
+
+
+def broadcast_variables(variables: Any, root_rank: int = 0, process_set: Any = None,
+                        inplace: bool = False, *, reducer: Reducer | None = None) -> None:
+    """Assign root_rank's values to `variables` on every rank (functions.py), after
+    checking that every rank names the same root and number of variables."""
+    if hasattr(process_set, "allreduce_async"):  # this shim's older (variables, root, reducer)
+        process_set, reducer = None, process_set
+    _check_set(process_set)
+    variables = list(variables)
+    check = check_root("broadcast_variables", root_rank, len(variables), reducer)
+    with tf.control_dependencies([] if check is None else [check]):
+        assign_from_root(variables, root_rank, reducer)
