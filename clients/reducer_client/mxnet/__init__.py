@@ -10,6 +10,13 @@ Pass the store object, not the string: gluon.Trainer(kvstore="reducer") on a
 single device quietly uses no kvstore at all (MXNet only creates non-"dist"
 stores by name for several devices).
 
+Horovod's names with Horovod's meaning (compat.py): rank, size,
+local_rank, local_size, cross_rank, cross_size, Compression, Average / Sum,
+the *_built queries, allreduce(_), grouped_allreduce(_), allgather,
+broadcast(_), broadcast_object, allgather_object, broadcast_parameters
+(before the first forward too) and DistributedTrainer(compression=,
+gradient_predivide_factor=).
+
 Configuration: `mx.kv.create("reducer")` takes its client from `init(...)`
 when that was called, else from the environment (REDUCER_ADDRESSES,
 REDUCER_JOB, REDUCER_RANK / REDUCER_WORLD_SIZE or DMLC_WORKER_ID /
@@ -44,13 +51,50 @@ the store all its gradients in one such call per step; the plain Trainer
 calls pushpull once per parameter.
 """
 
+from reducer_client.compression import Compression
 from reducer_client.errors import ReducerError
+from reducer_client.horovod import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    bind_basics,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from reducer_client.mxnet._basics import basics as _basics
+from reducer_client.mxnet.compat import (
+    DistributedTrainer,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    broadcast,
+    broadcast_,
+    broadcast_object,
+    broadcast_parameters,
+    grouped_allreduce,
+    grouped_allreduce_,
+)
 from reducer_client.mxnet.kvstore import DEFAULT_FUSION_BYTES, Reducer
-from reducer_client.mxnet.trainer import DistributedTrainer
 
-# Bound once in reducer_client.process, as Horovod binds its basics.
-init = _basics.init
+# Bound once in reducer_client.process, as Horovod binds its basics; init
+# also says (once, on rank 0) where the default wire differs from Horovod's.
+_horovod_basics = bind_basics(_basics)
+init = _horovod_basics["init"]
+cross_rank = _horovod_basics["cross_rank"]
+cross_size = _horovod_basics["cross_size"]
+is_homogeneous = _horovod_basics["is_homogeneous"]
 shutdown = _basics.shutdown
 is_initialized = _basics.is_initialized
 client = _basics.client
@@ -61,4 +105,9 @@ local_size = _basics.local_size
 
 __all__ = ["Reducer", "DistributedTrainer", "DEFAULT_FUSION_BYTES", "ReducerError", "init",
            "shutdown", "is_initialized", "client", "rank", "size", "local_rank",
-           "local_size"]
+           "local_size", "cross_rank", "cross_size", "is_homogeneous", "Compression",
+           "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_",
+           "grouped_allreduce", "grouped_allreduce_", "allgather", "broadcast", "broadcast_",
+           "broadcast_object", "allgather_object", "broadcast_parameters", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
