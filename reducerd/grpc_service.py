@@ -2,7 +2,12 @@
 
 Thin on purpose: each Reduce call is a Stream of the Session. A reader task
 hands every received message to Session.accept; the handler writes out what
-the Session puts into the stream's outbox. Shards are decoded by
+the Session puts into the stream's outbox (reducerd.outbox: its bytes count
+against --max-inflight-bytes until gRPC took them). Back-pressure: the reader
+takes no next message while the stream has UNSENT_BYTES of replies waiting or
+the daemon is over its memory limit, so gRPC's flow control slows a client
+that does not read; a reply that gRPC cannot hand on for `send_timeout_s`
+ends the call with UNAVAILABLE. Shards are decoded by
 reducer_wire.codec, not the generated classes, so shard data is never copied
 on its way in (a view into the received message); replies come serialized.
 All of it runs on the daemon's one event loop thread.
@@ -20,6 +25,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import __version__
 from reducerd.access import EVERY_JOB, Access, Grant
+from reducerd.outbox import AsyncOutbox
 from reducerd.session import END, Session, Stream, daemon_fault_message, decode_request
 
 __all__ = ["ReducerServicer", "INBAND_METADATA"]
@@ -28,6 +34,9 @@ log = logging.getLogger("reducerd")
 
 INBAND_METADATA = ("reducer-errors", "inband")
 STALLED_LISTED_AT_MOST = 100
+UNSENT_BYTES = 16 << 20
+# How often a reader paused by the daemon's memory limit looks again.
+_OVER_LIMIT_POLL_S = 0.01
 
 
 class _Throughput:
@@ -55,9 +64,11 @@ def _serialized(message: bytes) -> bytes:
 class ReducerServicer:
     """Reduce and GetStatus over one Session."""
 
-    def __init__(self, session: Session, stalled_after_s: float) -> None:
+    def __init__(self, session: Session, stalled_after_s: float,
+                 send_timeout_s: float = 60.0) -> None:
         self.session = session
         self.stalled_after_s = stalled_after_s
+        self.send_timeout_s = send_timeout_s
         # The TCP data plane's port, set by the daemon when it serves one.
         self.data_port = 0
         # Which jobs a call's token reaches; set by the daemon (no token: all).
@@ -84,24 +95,47 @@ class ReducerServicer:
         if grant is None:  # the interceptor refuses these first
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         assert grant is not None
-        stream = Stream(context.peer(), INBAND_METADATA in metadata, job=grant.job)
+        outbox = AsyncOutbox(self.session.table.budget, UNSENT_BYTES)
+        stream = Stream(context.peer(), INBAND_METADATA in metadata, outbox=outbox,
+                        job=grant.job)
         self.session.open_stream(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
             while True:
-                item = await stream.outbox.get()
+                item = await outbox.get()
                 if item is END:
                     return
                 if isinstance(item, tuple):  # (code, message): end the stream
                     await context.abort(*item)
-                yield item
+                try:
+                    async with asyncio.timeout(self.send_timeout_s):
+                        await context.write(item)
+                except TimeoutError:
+                    log.info("stream from %s: no reply taken for %g s; ending it", stream.peer,
+                             self.send_timeout_s)
+                    # Forget it now: the status below waits behind the unread replies
+                    # (what gRPC already took stays gRPC's until the client reads or goes).
+                    self._forget(reader, outbox, stream)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"the client read no reply for {self.send_timeout_s:g} s")
+                outbox.sent(item)
         finally:
-            reader.cancel()
-            self.session.close_stream(stream)
+            self._forget(reader, outbox, stream)
+
+    def _forget(self, reader: asyncio.Task, outbox: AsyncOutbox, stream: Stream) -> None:
+        """Stop reading the stream and forget it and its unsent replies (idempotent)."""
+        reader.cancel()
+        outbox.discard()
+        self.session.close_stream(stream)
 
     async def _read(self, request_iterator, stream: Stream) -> None:
         messages = request_iterator.__aiter__()
+        budget = self.session.table.budget
         while True:
+            if isinstance(stream.outbox, AsyncOutbox):
+                await stream.outbox.room()  # replies unread: read no more for now
+            while budget.held_bytes > budget.limit_bytes and not stream.ended:
+                await asyncio.sleep(_OVER_LIMIT_POLL_S)
             try:
                 shard = await messages.__anext__()
             except StopAsyncIteration:
@@ -137,7 +171,7 @@ class ReducerServicer:
         now = time.monotonic()
         reply = pb.StatusReply(
             version=__version__, uptime_s=now - self.started_s,
-            bytes_held=table.bytes_held, max_inflight_bytes=table.max_inflight_bytes,
+            bytes_held=table.budget.held_bytes, max_inflight_bytes=table.max_inflight_bytes,
             open_streams=len(self.session.streams), stalled_after_s=self.stalled_after_s,
             round_timeout_s=table.round_timeout_s, data_port=self.data_port)
         if request.brief:

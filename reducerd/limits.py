@@ -15,13 +15,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection
 
-__all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "missing_ranks", "describe_missing",
-           "MemoryBudget"]
+__all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
+           "missing_ranks", "describe_missing", "MemoryBudget"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
 MISSING_LISTED_AT_MOST = 64
 # Distinct world sizes remembered per job (GetStatus lists them).
 WORLD_SIZES_KEPT = 16
+# The daemon's accumulators leave 1/8 of --max-inflight-bytes to its connections.
+TRANSPORT_RESERVE_SHARE = 8
 
 
 def missing_ranks(world_size: int, present: Collection[int],

@@ -186,7 +186,8 @@ class Metrics:
             failed=dict(self._failed),
             latency={k: (h.cumulative(), h.sum_s) for k, h in self._latency.items()},
             completed=dict(completed), open_chunks=dict(open_chunks),
-            jobs=len(self.table.jobs), stalled=stalled, bytes_held=self.table.bytes_held,
+            jobs=len(self.table.jobs), stalled=stalled,
+            bytes_held=self.table.budget.held_bytes,
             max_inflight_bytes=self.table.max_inflight_bytes,
             open_streams=len(self.session.streams) if self.session else 0,
             draining=bool(self.session and self.session.draining))
@@ -222,7 +223,8 @@ class Metrics:
         for name, doc, value in (
             ("reducerd_stalled_chunks", "Open chunks older than stalled_after_s",
              snap.stalled),
-            ("reducerd_bytes_held", "Bytes held for open chunks", snap.bytes_held),
+            ("reducerd_bytes_held", "Bytes held against max_inflight_bytes: open chunks' "
+             "accumulators, receive buffers, replies not yet sent", snap.bytes_held),
             ("reducerd_max_inflight_bytes", "The max_inflight_bytes limit",
              snap.max_inflight_bytes),
             ("reducerd_open_streams", "Open Reduce streams", snap.open_streams),

@@ -24,9 +24,11 @@ from reducerd.access import Access
 from reducerd.config import Config
 from reducerd.dataplane import DataPlane
 from reducerd.grpc_service import ReducerServicer
+from reducerd.limits import TRANSPORT_RESERVE_SHARE, MemoryBudget
 from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
 from reducerd.session import Session
+from reducerd.summing import SummingPool
 
 if TYPE_CHECKING:
     from reducerd.metrics import Metrics
@@ -69,10 +71,19 @@ class Daemon:
     def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
         convert.use_accelerator(not config.wire_numpy)
+        # One count of what the daemon holds: accumulators, receive buffers, unsent replies.
+        self.budget = MemoryBudget(config.max_inflight_bytes,
+                                   transport_reserve_bytes=config.max_inflight_bytes
+                                   // TRANSPORT_RESERVE_SHARE)
+        # Summing threads (--threads N); with 1 the loop thread sums inline.
+        self.summing = SummingPool(config.threads) if config.threads > 1 else None
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
-                                    max_open_chunks_per_job=config.max_open_chunks_per_job)
+                                    summing=self.summing,
+                                    max_open_chunks_per_job=config.max_open_chunks_per_job,
+                                    budget=self.budget)
         self.session = Session(self.table, max_world_size=config.max_world_size)
-        self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s)
+        self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s,
+                                        send_timeout_s=config.round_timeout_s)
         # systemd's notify socket; a no-op outside a Type=notify unit.
         self.notifier = notifier or Notifier.from_config(config)
         self.metrics: Metrics | None = None
@@ -85,6 +96,8 @@ class Daemon:
     async def start(self) -> int:
         """Bind and start serving; return the bound port."""
         cfg = self.config
+        if self.summing is not None and not self.summing.started:
+            self.summing.start(asyncio.get_running_loop().call_soon_threadsafe)
         if cfg.metrics_address:
             self._start_metrics(cfg.metrics_address)
         token = cfg.auth_token()
@@ -205,6 +218,8 @@ class Daemon:
             log.warning("failing %d open chunk(s) still incomplete after %g s",
                         self.table.open_chunk_count, grace_s)
             self.session.fail_all(UNAVAILABLE, "daemon shut down before the round completed")
+        if self.summing is not None:  # failed chunks' queued adds run (or skip) first
+            await asyncio.to_thread(self.summing.close)
         await asyncio.sleep(0.05)  # let the outboxes flush
         if self.data_plane is not None:
             self.data_plane.stop()

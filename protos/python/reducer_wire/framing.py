@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import grpc
 import numpy as np
@@ -22,8 +23,9 @@ import numpy as np
 from reducer_wire.codes import status_code_from_value
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
-           "FrameError", "TruncatedFrame", "frame_header", "read_frame", "send_frame",
-           "status_frame", "parse_status", "recv_exactly", "shutdown_quietly", "tune_socket"]
+           "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header", "read_header",
+           "read_payload", "read_frame", "send_frame", "status_frame", "parse_status",
+           "recv_exactly", "set_receive_tick", "shutdown_quietly", "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
@@ -42,6 +44,10 @@ class FrameError(ValueError):
 
 class TruncatedFrame(FrameError):
     """The peer closed its side in the middle of a frame."""
+
+
+class FrameTimeout(FrameError):
+    """What was being read did not all arrive by its deadline."""
 
 
 def frame_header(kind: int, length: int) -> bytes:
@@ -66,28 +72,36 @@ def parse_status(payload: memoryview) -> tuple[grpc.StatusCode, str]:
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from the socket; False on a clean end of stream before any byte."""
+def recv_exactly(sock: socket.socket, view: memoryview, deadline_s: float | None = None,
+                 ) -> bool:
+    """Fill `view` from the socket; False on a clean end of stream before any byte.
+
+    deadline_s (time.monotonic()): raise FrameTimeout if `view` is not full by
+    then, however slowly its bytes come. The socket must then have a receive
+    tick (set_receive_tick), so that a silent peer returns control to check it.
+    """
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:], 0, _WAITALL)
+        try:
+            n = sock.recv_into(view[got:], 0, _WAITALL)
+        except BlockingIOError:  # the receive tick passed with nothing new
+            n = -1
         if not n:
             if got:
                 raise TruncatedFrame(f"connection ended inside a frame ({got} of "
                                      f"{len(view)} bytes)")
             return False
-        got += n
+        got += max(n, 0)
+        if deadline_s is not None and got < len(view) and time.monotonic() >= deadline_s:
+            raise FrameTimeout(f"{got} of {len(view)} bytes arrived by the deadline")
     return True
 
 
-def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, memoryview] | None:
-    """The next frame (kind, payload), or None at a clean end of stream.
-
-    The payload lands in a fresh uninitialised buffer, without copies: shard
-    data decoded from it stays a view into it.
-    """
+def read_header(sock: socket.socket, max_bytes: int, deadline_s: float | None = None,
+                ) -> tuple[int, int] | None:
+    """The next frame's (kind, length), checked, or None at a clean end of stream."""
     header = bytearray(_HEADER.size)
-    if not recv_exactly(sock, memoryview(header)):
+    if not recv_exactly(sock, memoryview(header), deadline_s):
         return None
     kind, length = _HEADER.unpack(header)
     if kind not in (HELLO, SHARD, STATUS):
@@ -95,10 +109,35 @@ def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, memoryview] | 
     if length > max_bytes:
         raise FrameError(f"frame of {length} bytes is larger than the limit of "
                          f"{max_bytes} bytes")
+    return kind, length
+
+
+def read_payload(sock: socket.socket, length: int, deadline_s: float | None = None,
+                 ) -> memoryview:
+    """A frame's payload, in a fresh uninitialised buffer, without copies:
+    shard data decoded from it stays a view into it."""
     payload = np.empty(length, np.uint8).data
-    if not recv_exactly(sock, payload) and length:
+    if not recv_exactly(sock, payload, deadline_s) and length:
         raise TruncatedFrame(f"connection ended inside a frame (0 of {length} bytes)")
-    return kind, payload
+    return payload
+
+
+def read_frame(sock: socket.socket, max_bytes: int, deadline_s: float | None = None,
+               ) -> tuple[int, memoryview] | None:
+    """The next frame (kind, payload), or None at a clean end of stream."""
+    header = read_header(sock, max_bytes, deadline_s)
+    if header is None:
+        return None
+    kind, length = header
+    return kind, read_payload(sock, length, deadline_s)
+
+
+def set_receive_tick(sock: socket.socket, seconds: float | None) -> None:
+    """Let a blocking receive return after `seconds` without data (SO_RCVTIMEO;
+    None: wait for ever), so that a reader can keep a deadline (recv_exactly)."""
+    whole = int(seconds or 0)
+    usec = int(((seconds or 0) - whole) * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", whole, usec))
 
 
 def tune_socket(sock: socket.socket) -> None:

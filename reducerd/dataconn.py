@@ -1,0 +1,320 @@
+"""One data-plane connection: its reader thread (handshake, then frames) and writer thread.
+
+Bounds kept here (reducerd.dataplane has the plane-wide ones):
+- the handshake (TLS, preface, HELLO) ends within the handshake timeout of the
+  accept: a deadline, checked at every receive (the socket gets a receive tick
+  meanwhile), not a timeout per read that a trickle could renew;
+- a frame's declared length is reserved from the MemoryBudget before its
+  payload is read (waiting up to RESERVE_WAIT_S for room, else the connection
+  ends with RESOURCE_EXHAUSTED), and given back once the loop took the shard;
+  its payload must arrive within the frame timeout of its header;
+- a reader has at most QUEUED_FRAMES shards waiting for the loop, and pauses
+  while UNSENT_FRAMES replies or UNSENT_BYTES wait for its writer (a client
+  that sends but does not read is slowed by TCP, not buffered);
+- a send that makes no progress for the send timeout ends the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from reducer_wire.codec import DecodeError, ShardView
+from reducer_wire.framing import (
+    HELLO,
+    MAGIC,
+    MAX_HELLO_BYTES,
+    SHARD,
+    FrameError,
+    FrameTimeout,
+    read_frame,
+    read_header,
+    read_payload,
+    recv_exactly,
+    set_receive_tick,
+    shutdown_quietly,
+    status_frame,
+    tune_socket,
+)
+from reducer_wire.tls import TlsChannel
+
+from reducerd.outbox import ThreadOutbox
+from reducerd.replies import Reply
+from reducerd.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
+
+if TYPE_CHECKING:
+    from reducerd.dataplane import DataPlane
+
+__all__ = ["Connection", "ConnectionLimits", "GONE"]
+
+log = logging.getLogger("reducerd")
+
+QUEUED_FRAMES = 8
+UNSENT_FRAMES = 64
+UNSENT_BYTES = 16 << 20
+RESERVE_WAIT_S = 5.0
+# While a deadline runs, a silent socket hands control back this often.
+_RECEIVE_TICK_S = 0.25
+# After the daemon's last frame, how long the client gets to close its side
+# (closing with unread input would reset the connection and lose that frame).
+_LINGER_S = 5.0
+_SKIP_BYTES = 1 << 16
+GONE = object()  # in an outbox: the connection broke, the writer stops without a status
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_message_bytes: int
+    send_timeout_s: float
+    handshake_timeout_s: float
+    frame_timeout_s: float
+
+
+class Connection:
+    """A data-plane connection; serve() is its reader thread."""
+
+    def __init__(self, plane: DataPlane, sock: socket.socket, peer: str) -> None:
+        self.plane = plane
+        self.sock = sock
+        self.io: Any = sock  # the socket, or its TlsChannel
+        self.accepted_s = time.monotonic()
+        self.outbox = ThreadOutbox(plane.budget)
+        self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox,
+                             frames=True)
+        self.credit = threading.Semaphore(QUEUED_FRAMES)
+        self.reader_done = threading.Event()
+        self.writer_done = threading.Event()
+        self.registered = False  # a Stream of the session, with a writer thread
+
+    def serve(self) -> None:
+        plane, limits = self.plane, self.plane.limits
+        try:
+            tune_socket(self.sock)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 _timeval(limits.send_timeout_s))
+            refusal = self._handshake(self.accepted_s + limits.handshake_timeout_s)
+            if refusal is None:
+                refusal = plane.admit(self)
+            if refusal is not None:
+                plane.forget(self)
+                if refusal[0] is not None:
+                    self.refuse(*refusal)
+                else:
+                    self.sock.close()
+                return
+            plane.call(plane.session.open_stream, self.stream)
+            threading.Thread(target=self._write, daemon=True,
+                             name=f"reducerd-data-write-{self.stream.peer}").start()
+            self._read_shards()
+        except OSError as exc:
+            log.debug("data connection %s broke: %r", self.stream.peer, exc)
+            if self.registered:
+                self.outbox.put_nowait(GONE)
+            else:
+                plane.forget(self)
+                self.sock.close()
+        except Exception as exc:  # e.g. MemoryError: our fault; end the stream and say so
+            log.exception("data connection %s: reader failed", self.stream.peer)
+            if self.registered:
+                plane.call(self.stream.end, grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
+                _drop_input(self.io)
+            else:
+                plane.forget(self)
+                self.sock.close()
+        finally:
+            self.reader_done.set()
+
+    def _handshake(self, deadline_s: float) -> tuple[Any, str] | None:
+        """TLS, the preface and HELLO, all by `deadline_s`; why the client is
+        refused ((None, why) to close without a word), or None. The HELLO's
+        token binds the connection to its job (a job token)."""
+        plane = self.plane
+        preface = bytearray(len(MAGIC))
+        set_receive_tick(self.sock, _RECEIVE_TICK_S)
+        try:
+            if plane.tls_context is not None:
+                channel = TlsChannel(self.sock, plane.tls_context, server_side=True)
+                channel.handshake(deadline_s)
+                self.io = channel
+            if not recv_exactly(self.io, memoryview(preface), deadline_s) or preface != MAGIC:
+                return (grpc.StatusCode.INVALID_ARGUMENT,
+                        f"not a reducer data-plane client: expected the preface {MAGIC!r}")
+            frame = read_frame(self.io, MAX_HELLO_BYTES, deadline_s)
+        except (FrameTimeout, TimeoutError):  # closed without a word: no linger for it
+            log.info("data plane: %s did not end its handshake within %g s", self.stream.peer,
+                     plane.limits.handshake_timeout_s)
+            return None, "handshake timeout"
+        except ssl.SSLError as exc:
+            log.info("data plane: TLS handshake with %s failed: %s", self.stream.peer, exc)
+            return None, "TLS handshake failed"
+        except FrameError as exc:
+            if preface != MAGIC:
+                return (grpc.StatusCode.INVALID_ARGUMENT,
+                        f"not a reducer data-plane client: expected the preface {MAGIC!r}")
+            return grpc.StatusCode.INVALID_ARGUMENT, f"bad HELLO frame: {exc}"
+        finally:
+            set_receive_tick(self.sock, None)
+        if frame is None or frame[0] != HELLO:
+            return grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be HELLO"
+        grant = plane.access.grant(bytes(frame[1]))
+        if grant is None:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong token in the data-plane HELLO")
+        self.stream.job = grant.job
+        return None
+
+    def _read_shards(self) -> None:
+        plane, limits = self.plane, self.plane.limits
+        ending = False  # we asked the loop to end the stream: read and drop the rest
+        while True:
+            try:
+                header = read_header(self.io, limits.max_message_bytes)
+                if header is None:  # the client half-closed: answer what is open, then OK
+                    plane.call(self.stream.half_close)
+                    return
+                kind, length = header
+                if ending or self.stream.ended or self.writer_done.is_set():
+                    self._skip(length)  # so the client sees our status, not a reset
+                    continue
+                if kind != SHARD:
+                    ending = True
+                    plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"unexpected frame kind {kind} after HELLO")
+                    self._skip(length)
+                    continue
+                if not plane.budget.reserve(length, RESERVE_WAIT_S):
+                    plane.call(self.stream.end, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               self._no_room(length))
+                    _drop_input(self.io, _LINGER_S)
+                    return
+                try:
+                    payload = self._receive(length)
+                except BaseException:
+                    plane.budget.give_transport(length)
+                    raise
+            except FrameTimeout as exc:
+                plane.call(self.stream.end, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"a frame of {length} bytes did not arrive within "
+                           f"{limits.frame_timeout_s:g} s of its header ({exc})")
+                _drop_input(self.io, _LINGER_S)
+                return
+            except FrameError as exc:
+                # The byte stream cannot be followed any further: end with why.
+                plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                _drop_input(self.io)
+                return
+            shard = decode_request(payload)
+            # Pause while the loop is behind or the client does not read its replies.
+            while not (self.outbox.wait_below(UNSENT_FRAMES, UNSENT_BYTES, 1.0)
+                       and self.credit.acquire(timeout=1.0)):
+                if self.writer_done.is_set():
+                    plane.budget.give_transport(length)
+                    break
+            else:
+                plane.call(self._accept, shard, length)
+
+    def _receive(self, length: int) -> memoryview:
+        """A payload, within the frame timeout of its header."""
+        set_receive_tick(self.sock, _RECEIVE_TICK_S)
+        try:
+            return read_payload(self.io, length,
+                                time.monotonic() + self.plane.limits.frame_timeout_s)
+        finally:
+            set_receive_tick(self.sock, None)
+
+    def _skip(self, length: int) -> None:
+        """Read and drop `length` bytes (nothing is reserved for them)."""
+        scratch = memoryview(bytearray(min(length, _SKIP_BYTES)))
+        while length:
+            view = scratch[:min(length, len(scratch))]
+            if not recv_exactly(self.io, view):
+                return
+            length -= len(view)
+
+    def _no_room(self, length: int) -> str:
+        budget = self.plane.budget
+        return (f"a frame of {length} bytes does not fit: the daemon holds {budget.held_bytes} "
+                f"of its {budget.limit_bytes} bytes (--max-inflight-bytes) and none came free "
+                f"within {RESERVE_WAIT_S:g} s; try again later")
+
+    def refuse(self, code: grpc.StatusCode, message: str) -> None:
+        log.info("data plane: refused %s: %s", self.stream.peer, message)
+        try:
+            self.sock.settimeout(_LINGER_S)
+            self.io.sendall(status_frame(code, message))
+            self.sock.shutdown(socket.SHUT_WR)
+            _drop_input(self.io, _LINGER_S)
+        except OSError:
+            pass
+        finally:
+            self.sock.close()
+
+    # -- on the loop thread --------------------------------------------------
+
+    def _accept(self, shard: ShardView | DecodeError | DecodeFault, length: int) -> None:
+        try:
+            self.plane.session.accept(shard, self.stream)  # it answers its own faults
+        except Exception as exc:  # still a bug must end this stream, not hang its client
+            log.exception("data connection %s: shard not taken", self.stream.peer)
+            self.stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
+        finally:
+            self.credit.release()
+            # The table copied what it keeps: the frame's buffer is free.
+            self.plane.budget.give_transport(length)
+
+    # -- the writer thread ---------------------------------------------------
+
+    def _write(self) -> None:
+        try:
+            while True:
+                item = self.outbox.get()
+                if item is GONE:
+                    break
+                if item is END:
+                    self.io.sendall(status_frame(grpc.StatusCode.OK, ""))
+                    break
+                if isinstance(item, tuple):
+                    self.io.sendall(status_frame(*item))
+                    break
+                reply: Reply = item
+                self.io.sendall(reply.frame)  # frame header and message: one buffer
+                self.outbox.sent(item)
+        except OSError as exc:  # broken, or no progress for the send timeout
+            log.debug("data connection %s broke while sending: %r", self.stream.peer, exc)
+        finally:
+            self.outbox.discard()
+            self.writer_done.set()
+            # Half-close, give the client time to read our last frame and close
+            # its side (the reader drains meanwhile), then close.
+            shutdown_quietly(self.sock, socket.SHUT_WR)
+            if not self.reader_done.wait(_LINGER_S):
+                shutdown_quietly(self.sock, socket.SHUT_RDWR)
+                self.reader_done.wait(_LINGER_S)
+            self.sock.close()
+            self.plane.forget(self)
+            self.plane.call(self.plane.session.close_stream, self.stream)
+
+
+def _drop_input(io: Any, timeout_s: float | None = None) -> None:
+    """Read and drop until the client closes (or `timeout_s`, or the writer's
+    linger shuts the socket down)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    scratch = memoryview(bytearray(_SKIP_BYTES))
+    try:
+        while io.recv_into(scratch):
+            if deadline is not None and time.monotonic() > deadline:
+                return
+    except (OSError, ssl.SSLError):
+        pass
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))

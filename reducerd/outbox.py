@@ -1,0 +1,136 @@
+"""Outboxes: the replies a stream has yet to send, counted against the memory budget.
+
+The session puts replies (and last an END or a (code, message) item) into a
+stream's outbox; the transport's writer takes them and says when one is
+sent. Between the two, a reply's bytes count as the daemon's (MemoryBudget
+transport bytes) and as the stream's `unsent_bytes`, which its reader watches:
+beyond a bound it stops reading, so a client that does not read its replies
+is slowed down by its own transport's flow control instead of buffered.
+
+A reply is counted once per stream even where streams share its buffer: an
+upper bound, and the one that a stream which never reads keeps alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from typing import Any
+
+from reducerd.limits import MemoryBudget
+
+__all__ = ["reply_nbytes", "AsyncOutbox", "ThreadOutbox"]
+
+
+def reply_nbytes(item: Any) -> int:
+    """The bytes an outbox item holds: a gRPC message, a data-plane Reply, else 0."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return len(item)
+    frame = getattr(item, "frame", None)  # reducerd.replies.Reply
+    return len(frame) if frame is not None else 0
+
+
+class _Counted:
+    """The byte count both outboxes keep (callers hold their own lock, if any)."""
+
+    def __init__(self, budget: MemoryBudget | None) -> None:
+        self._budget = budget
+        self.unsent_bytes = 0
+        self._closed = False
+
+    def _count(self, item: Any) -> None:
+        nbytes = reply_nbytes(item)
+        if nbytes and not self._closed:
+            self.unsent_bytes += nbytes
+            if self._budget is not None:
+                self._budget.take_transport(nbytes)
+
+    def _uncount(self, item: Any) -> None:
+        nbytes = min(reply_nbytes(item), self.unsent_bytes)
+        if nbytes:
+            self.unsent_bytes -= nbytes
+            if self._budget is not None:
+                self._budget.give_transport(nbytes)
+
+    def _uncount_all(self) -> None:
+        self._closed = True
+        if self._budget is not None:
+            self._budget.give_transport(self.unsent_bytes)
+        self.unsent_bytes = 0
+
+
+class AsyncOutbox(_Counted):
+    """A gRPC stream's outbox; the loop thread alone uses it."""
+
+    def __init__(self, budget: MemoryBudget | None = None,
+                 pause_at_bytes: int = 16 << 20) -> None:
+        super().__init__(budget)
+        self.pause_at_bytes = pause_at_bytes
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def put_nowait(self, item: Any) -> None:
+        self._count(item)
+        if self.unsent_bytes >= self.pause_at_bytes:
+            self._room.clear()
+        self._queue.put_nowait(item)
+
+    async def get(self) -> Any:
+        return await self._queue.get()
+
+    def sent(self, item: Any) -> None:
+        """`item` left (gRPC took it): its bytes no longer count."""
+        self._uncount(item)
+        if self.unsent_bytes < self.pause_at_bytes:
+            self._room.set()
+
+    async def room(self) -> None:
+        """Wait until fewer than pause_at_bytes wait to be sent."""
+        await self._room.wait()
+
+    def discard(self) -> None:
+        """The stream ended: whatever is left is dropped, and no longer counted."""
+        self._uncount_all()
+        self._room.set()
+
+
+class ThreadOutbox(_Counted):
+    """A data-plane connection's outbox: the loop thread puts, its writer thread
+    takes, its reader thread waits for room."""
+
+    def __init__(self, budget: MemoryBudget | None = None) -> None:
+        super().__init__(budget)
+        self._items: deque[Any] = deque()
+        # _cond guards _items and the counts; the loop, writer and reader threads take it.
+        self._cond = threading.Condition()
+
+    def put_nowait(self, item: Any) -> None:
+        with self._cond:
+            self._count(item)
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def get(self) -> Any:
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
+
+    def sent(self, item: Any) -> None:
+        with self._cond:
+            self._uncount(item)
+            self._cond.notify_all()
+
+    def wait_below(self, frames: int, nbytes: int, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until fewer than `frames` items and `nbytes`
+        bytes wait to be sent; whether they do."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: len(self._items) < frames and self.unsent_bytes < nbytes, timeout_s)
+
+    def discard(self) -> None:
+        with self._cond:
+            self._uncount_all()
+            self._cond.notify_all()

@@ -1,0 +1,168 @@
+"""Probes: memory a client can make the daemon hold (issue 16, rows 3 and 4).
+
+Before: a gRPC client that never read its replies had 1,500 x 1 MiB accepted
+(RSS +1.6 GB, held while the call stayed open); 8 data-plane connections
+declaring 64 MiB frames and stalling at 60 MiB took RSS +480 MiB while
+bytes_held said 0 (limit 64 MiB); a data-plane client that never read cost
++285 MiB per connection, uncounted. Bounds now, under --max-inflight-bytes:
+a declared frame is reserved before it is read (those that do not fit wait,
+then are refused with RESOURCE_EXHAUSTED), a stalled frame is cut at the
+frame timeout, a stream's reader stops at 16 MiB of unsent replies, and a
+reply nobody takes for the round timeout ends the stream. RSS grows by the
+limit plus a stated slack at most, bytes_held reports what is held, and it
+all goes back to 0 with a good job served exactly after.
+"""
+
+import threading
+import time
+
+import grpc
+import numpy as np
+from probes import (
+    LONG,
+    MiB,
+    assert_alive,
+    data_socket,
+    get_status,
+    good_job,
+    limited_daemon,
+    read_status_frame,
+    rss_bytes,
+    shard,
+)
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.framing import SHARD, frame_header
+
+LIMIT = 64 * MiB
+# Besides what the limit admits: socket buffers, gRPC's own, the allocator's.
+SLACK = 48 * MiB
+
+
+def _wait(predicate, timeout_s: float, step_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+def _big_shard(job: str, key: str, nbytes: int) -> bytes:
+    return shard(job, 0, 1, np.ones(nbytes // 4, np.float32), key=key).SerializeToString()
+
+
+def test_declared_frames_are_reserved_before_they_are_read(tmp_path):
+    connections = 16 if LONG else 8
+    daemon = limited_daemon("--max-inflight-bytes", str(LIMIT), "--round-timeout", "3",
+                            log_dir=tmp_path)
+    socks = []
+    try:
+        before = rss_bytes(daemon)
+        payload = memoryview(bytes(60 * MiB))
+        sent = [0] * connections
+
+        def stall(i):  # declare 64 MiB, send 60 MiB as far as the daemon reads, stall
+            sock = socks[i]
+            sock.sendall(frame_header(SHARD, 64 * MiB))
+            sock.settimeout(1.0)
+            try:
+                while sent[i] < len(payload):
+                    sent[i] += sock.send(payload[sent[i]:sent[i] + MiB])
+            except (TimeoutError, OSError):
+                pass
+
+        for _ in range(connections):
+            socks.append(data_socket(daemon.address))
+        senders = [threading.Thread(target=stall, args=(i,)) for i in range(connections)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(30)
+        status = get_status(daemon.address)
+        assert status.bytes_held >= 64 * MiB  # the reserved frame, counted (was 0)
+        assert status.bytes_held <= LIMIT
+        assert sum(s >= len(payload) for s in sent) == 1  # one frame fits the limit
+        grown = rss_bytes(daemon) - before
+        assert grown < LIMIT + SLACK, f"RSS +{grown / MiB:.0f} MiB"
+        # A stalled frame is cut at the frame timeout (the round timeout, 3 s); the
+        # next waiting one then gets the room (and is cut in turn), the rest are
+        # refused when no room came within 5 s.
+        codes = [read_status_frame(s, timeout=20)[0] for s in socks]
+        cut, refused = (grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+        assert set(codes) == {cut, refused}, codes
+        assert _wait(lambda: get_status(daemon.address).bytes_held == 0, 10)
+        good_job([daemon.address], size=1 << 18)
+        assert_alive(daemon)
+    finally:
+        for s in socks:
+            s.close()
+        daemon.stop()
+
+
+def test_a_data_plane_client_that_never_reads_is_slowed_not_buffered(tmp_path):
+    daemon = limited_daemon("--max-inflight-bytes", str(1 << 30), "--round-timeout", "3",
+                            log_dir=tmp_path)
+    try:
+        before = rss_bytes(daemon)
+        sock = data_socket(daemon.address)
+        message = _big_shard("greedy", "k", 4 * MiB)
+        frame = frame_header(SHARD, len(message)) + message
+        sock.settimeout(2.0)
+        sent = 0
+        try:
+            for _ in range(400 if LONG else 100):  # 400 MiB of replies asked for
+                sock.sendall(frame)
+                sent += 1
+        except TimeoutError:
+            pass
+        assert sent < 40  # the daemon stopped reading
+        held = get_status(daemon.address).bytes_held
+        assert 16 * MiB <= held <= 64 * MiB  # unsent replies and frames, counted
+        grown = rss_bytes(daemon) - before
+        assert grown < 64 * MiB + SLACK, f"RSS +{grown / MiB:.0f} MiB"
+        # Nothing taken for the round timeout: the connection ends, all is given back.
+        assert _wait(lambda: get_status(daemon.address).open_streams == 0, 15)
+        assert _wait(lambda: get_status(daemon.address).bytes_held == 0, 5)
+        sock.close()
+        good_job([daemon.address])
+        assert_alive(daemon)
+    finally:
+        daemon.stop()
+
+
+def test_a_grpc_client_that_never_reads_is_slowed_not_buffered(tmp_path):
+    daemon = limited_daemon("--round-timeout", "3", log_dir=tmp_path)
+    channel = None
+    try:
+        before = rss_bytes(daemon)
+        total = 1500 if LONG else 300
+        messages = [shard("greedy", 0, 1, np.ones(MiB // 4, np.float32), key=f"k{i}")
+                    for i in range(4)]
+        taken = [0]
+
+        def requests():
+            for i in range(total):
+                taken[0] += 1
+                yield messages[i % 4]
+
+        channel = grpc.insecure_channel(daemon.address)
+        call = channel.stream_stream("/reducer.v1.Reducer/Reduce",
+                                     request_serializer=pb.Shard.SerializeToString)(requests())
+        time.sleep(2.0)
+        assert taken[0] < 100, taken[0]  # gRPC's flow control stopped the client
+        status = get_status(daemon.address)
+        assert status.open_streams == 1 and 16 * MiB <= status.bytes_held <= 32 * MiB
+        grown = rss_bytes(daemon) - before
+        assert grown < 32 * MiB + SLACK, f"RSS +{grown / MiB:.0f} MiB"
+        # A reply nobody takes for the round timeout ends the call, and frees it all.
+        assert _wait(lambda: get_status(daemon.address).open_streams == 0, 10)
+        assert get_status(daemon.address).bytes_held == 0
+        assert "no reply taken for 3 s" in daemon.log()
+        call.cancel()
+        good_job([daemon.address])
+        assert_alive(daemon)
+    finally:
+        if channel is not None:
+            channel.close()
+        daemon.stop()
