@@ -10,6 +10,7 @@ only its network namespace, so they reach 127.0.0.1:7000 of the machine.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -107,6 +108,32 @@ class Machine:
     def journal(self, unit: str, *options: str) -> str:
         return self.run(["journalctl", "--no-pager", "-q", "-u", unit, *options]).stdout
 
+    def cursor(self) -> str:
+        """The journal's position now: later reads see only what came after."""
+        last = self.run(["journalctl", "-n", "1", "-o", "json", "--no-pager"]).stdout
+        return json.loads(last.splitlines()[-1])["__CURSOR"]
+
+    def entries(self, unit: str, after: str, max_priority: int = 7) -> list[dict]:
+        """The unit's journal entries (its own and systemd's about it) after a cursor.
+
+        Filtered here: journalctl --after-cursor with -u or -p skips the first
+        match when the cursor's own entry does not match (systemd 252).
+        """
+        out = self.run(["journalctl", "--no-pager", "-o", "json", "--after-cursor", after]).stdout
+        found = (json.loads(line) for line in out.splitlines() if line.strip())
+        return [e for e in found if unit + ".service" in (e.get("_SYSTEMD_UNIT"), e.get("UNIT"))
+                and int(e.get("PRIORITY", 6)) <= max_priority]
+
+    def proc_status(self, pid: str) -> dict[str, str]:
+        """/proc/PID/status of a process of the machine (PID as the machine numbers it)."""
+        lines = self.run(["cat", f"/proc/{pid}/status"]).stdout.splitlines()
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+    def main_pid(self, unit: str) -> str:
+        pid = self.show(unit, "MainPID")["MainPID"]
+        assert pid != "0", f"{unit} has no main process:\n{self.journal(unit)}"
+        return pid
+
     def path(self, inside: str) -> Path:
         """Where the host sees a path of the machine (stopped services' files only)."""
         return self.root / inside.lstrip("/")
@@ -139,3 +166,8 @@ class Machine:
                 self.process.kill()
                 self.process.wait()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def text(entries: list[dict]) -> str:
+    """Journal entries' messages, one a line."""
+    return "\n".join(e["MESSAGE"] for e in entries)

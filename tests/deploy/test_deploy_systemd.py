@@ -31,7 +31,7 @@ import time
 
 import pytest
 from deploy_host import ROOT, require
-from deploy_machine import PROBE, Machine
+from deploy_machine import PROBE, Machine, text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,28 +100,6 @@ def token(machine) -> str:
     return machine.path("/etc/reducerd/token").read_text().strip()
 
 
-def cursor(machine) -> str:
-    """The journal's position now: later reads see only what came after."""
-    last = machine.run(["journalctl", "-n", "1", "-o", "json", "--no-pager"]).stdout
-    return json.loads(last.splitlines()[-1])["__CURSOR"]
-
-
-def entries(machine, unit: str, after: str, max_priority: int = 7) -> list[dict]:
-    """The unit's journal entries (its own and systemd's about it) after a cursor.
-
-    Filtered here: journalctl --after-cursor with -u or -p skips the first match
-    when the cursor's own entry does not match (systemd 252).
-    """
-    out = machine.run(["journalctl", "--no-pager", "-o", "json", "--after-cursor", after]).stdout
-    found = (json.loads(line) for line in out.splitlines() if line.strip())
-    return [e for e in found if unit + ".service" in (e.get("_SYSTEMD_UNIT"), e.get("UNIT"))
-            and int(e.get("PRIORITY", 6)) <= max_priority]
-
-
-def text(found: list[dict]) -> str:
-    return "\n".join(e["MESSAGE"] for e in found)
-
-
 def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -130,17 +108,6 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.2):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
-def proc_status(machine, pid: str) -> dict[str, str]:
-    text = machine.run(["cat", f"/proc/{pid}/status"]).stdout
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
-
-
-def main_pid(machine, unit: str) -> str:
-    pid = machine.show(unit, "MainPID")["MainPID"]
-    assert pid != "0", f"{unit} has no main process:\n{machine.journal(unit)}"
-    return pid
 
 
 # -- reducerd.service ------------------------------------------------------------------
@@ -172,8 +139,8 @@ def test_enable_now_returns_only_once_health_answers_serving(machine):
 
 
 def test_the_daemon_runs_sandboxed(machine):
-    pid = main_pid(machine, "reducerd")
-    status = proc_status(machine, pid)
+    pid = machine.main_pid("reducerd")
+    status = machine.proc_status(pid)
     assert int(status["Uid"].split()[0]) in DYNAMIC_UIDS, status["Uid"]
     for capabilities in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert int(status[capabilities], 16) == 0, (capabilities, status[capabilities])
@@ -212,7 +179,7 @@ def test_the_credential_carries_the_token(machine):
 
 
 def test_stop_drains_and_the_warning_reaches_the_journal_as_one(machine):
-    start = cursor(machine)
+    start = machine.cursor()
     probe = machine.in_netns([sys.executable, str(PROBE), "drain", "127.0.0.1:7000",
                               token(machine), "drain-job"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -221,7 +188,7 @@ def test_stop_drains_and_the_warning_reaches_the_journal_as_one(machine):
         assert json.loads(probe.stdout.readline()) == {"open": [5.0]}
         stop_started = time.monotonic()
         stop = machine.popen(["systemctl", "stop", "reducerd"])
-        wait_for(lambda: "draining" in text(entries(machine, "reducerd", start)),
+        wait_for(lambda: "draining" in text(machine.entries("reducerd", start)),
                  10, "the daemon to drain")
         out, err = probe.communicate("go\n", timeout=30)
         assert stop.wait(timeout=60) == 0
@@ -241,7 +208,7 @@ def test_stop_drains_and_the_warning_reaches_the_journal_as_one(machine):
     warnings = machine.journal("reducerd", "-p", "warning")
     assert "failing 1 open chunk(s)" in warnings, machine.journal("reducerd")
     priorities = {e["MESSAGE"].split(": ", 1)[-1][:30]: e["PRIORITY"]
-                  for e in entries(machine, "reducerd", start)
+                  for e in machine.entries("reducerd", start)
                   if e.get("SYSLOG_IDENTIFIER") == "reducerd"}
     assert {p for m, p in priorities.items() if m.startswith("failing")} == {"4"}, priorities
     assert {p for m, p in priorities.items() if m.startswith("draining")} == {"6"}, priorities
@@ -250,15 +217,15 @@ def test_stop_drains_and_the_warning_reaches_the_journal_as_one(machine):
 def test_a_bad_key_stops_the_start_once_with_status_2_at_error_priority(machine):
     config = machine.path("/etc/reducerd/reducerd.toml")
     good = config.read_text()
-    start = cursor(machine)
+    start = machine.cursor()
     try:
         config.write_text(good + "round-timout = 5\n")
         assert machine.run(["systemctl", "start", "reducerd"], check=False).returncode != 0
         time.sleep(3)  # past RestartSec=2s: a restart would have begun
         state = machine.show("reducerd", "ActiveState", "ExecMainStatus", "NRestarts")
         assert state == {"ActiveState": "failed", "ExecMainStatus": "2", "NRestarts": "0"}, (
-            state, text(entries(machine, "reducerd", start)))
-        errors = entries(machine, "reducerd", start, max_priority=3)
+            state, text(machine.entries("reducerd", start)))
+        errors = machine.entries("reducerd", start, max_priority=3)
         config_lines = [e for e in errors if "unknown key 'round-timout'" in e["MESSAGE"]]
         assert [e["PRIORITY"] for e in config_lines] == ["3"], errors
         assert "unknown key 'round-timout'" in machine.journal("reducerd", "-p", "err")
@@ -271,8 +238,8 @@ def test_a_bad_key_stops_the_start_once_with_status_2_at_error_priority(machine)
 def test_the_watchdog_restarts_a_frozen_daemon(machine):
     machine.run(["systemctl", "start", "reducerd"])
     watchdog_s = int(machine.show("reducerd", "WatchdogUSec")["WatchdogUSec"].rstrip("s"))
-    frozen = main_pid(machine, "reducerd")
-    start = cursor(machine)
+    frozen = machine.main_pid("reducerd")
+    start = machine.cursor()
     machine.run(["systemctl", "kill", "--kill-whom=main", "--signal=SIGSTOP", "reducerd"])
     frozen_at_us = time.monotonic() * 1e6
 
@@ -283,9 +250,9 @@ def test_the_watchdog_restarts_a_frozen_daemon(machine):
 
     try:
         wait_for(restarted, watchdog_s + 40, "the watchdog's restart", interval_s=1)
-        timeouts = [e for e in entries(machine, "reducerd", start)
+        timeouts = [e for e in machine.entries("reducerd", start)
                     if "Watchdog timeout" in e["MESSAGE"]]
-        assert timeouts, text(entries(machine, "reducerd", start))
+        assert timeouts, text(machine.entries("reducerd", start))
         waited_s = (int(timeouts[0]["__MONOTONIC_TIMESTAMP"]) - frozen_at_us) / 1e6
         # Pings every third of the period: the last one 0 to watchdog_s/3 before the freeze.
         assert watchdog_s * 2 / 3 - 1 < waited_s < watchdog_s + 2, waited_s
@@ -309,7 +276,7 @@ def test_instances_on_their_ports_and_cpus_reduce_a_job(machine):
         unit = f"reducerd@{n}"
         assert machine.show(unit, "ActiveState")["ActiveState"] == "active", (
             machine.journal(unit))
-        status = proc_status(machine, main_pid(machine, unit))
+        status = machine.proc_status(machine.main_pid(unit))
         assert status["Cpus_allowed_list"] == str(n), status["Cpus_allowed_list"]
         answers = json.loads(machine.probe("status", f"127.0.0.1:{7000 + n}", token(machine)))
         assert answers["with"] == "OK", (unit, answers)
@@ -365,7 +332,7 @@ def test_an_instance_that_is_not_a_cpu_fails_once(machine):
 
 def test_stopping_the_target_returns_once_the_instances_have_drained(machine):
     count = min(2, cpu_count(machine))
-    start = cursor(machine)
+    start = machine.cursor()
     probe = machine.in_netns([sys.executable, str(PROBE), "drain", "127.0.0.1:7000",
                               token(machine), "target-job"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -373,7 +340,7 @@ def test_stopping_the_target_returns_once_the_instances_have_drained(machine):
         assert json.loads(probe.stdout.readline()) == {"open": [5.0]}
         stop_started = time.monotonic()
         stop = machine.popen(["systemctl", "stop", "reducerd.target"])
-        wait_for(lambda: "draining" in text(entries(machine, "reducerd@0", start)),
+        wait_for(lambda: "draining" in text(machine.entries("reducerd@0", start)),
                  10, "reducerd@0 to drain")
         probe.stdin.write("go\n")
         probe.stdin.flush()
