@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from reducer_wire import dtypes
@@ -99,8 +99,12 @@ class OpenChunk:
     acc: np.ndarray
     started_s: float
     ranks: set[int] = field(default_factory=set)
-    # Streams waiting for the result, per rank (a retry adds a second one).
-    sinks: list[Hashable] = field(default_factory=list)
+    # Streams waiting for the result, in arrival order (a dict: a stream that
+    # ends is dropped in O(1)); a retry on another stream adds that one too.
+    sinks: dict[Hashable, None] = field(default_factory=dict)
+    # Its state on the summing pool (reducerd.chunk_sums.ChunkSums), None when
+    # the loop thread sums it inline (--threads 1).
+    sums: Any = None
 
 
 @dataclass

@@ -12,13 +12,13 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
            "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB",
-           "DEFAULT_MAX_WORLD_SIZE"]
+           "DEFAULT_MAX_WORLD_SIZE", "MAX_THREADS", "available_cpus"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -29,6 +29,15 @@ STALLED_AFTER_S = 5.0
 MAX_OPEN_CHUNKS_PER_JOB = 65536
 DEFAULT_MAX_WORLD_SIZE = 65536
 _WORLD_SIZE_FIELD_MAX = (1 << 32) - 1  # Shard.world_size is a uint32
+MAX_THREADS = 1024
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask): --threads' default."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity mask on this platform
+        return max(1, os.cpu_count() or 1)
 
 
 class ConfigError(ValueError):
@@ -68,6 +77,8 @@ class Config:
     # The TCP data plane (reducer_wire.framing): "auto" = the listen host on
     # any free port (GetStatus tells clients which), HOST:PORT, or "off". Off under TLS.
     data_listen: str = "auto"
+    # Summing threads (reducerd.summing); 1: the event loop's thread sums inline.
+    threads: int = field(default_factory=available_cpus)
     # Not an option: REDUCER_WIRE_NUMPY=1 sums and converts in NumPy instead of
     # reducer_wire's C kernels (same results; for comparison and debugging).
     wire_numpy: bool = False
@@ -134,6 +145,9 @@ class Config:
         if not 1 <= self.max_world_size <= _WORLD_SIZE_FIELD_MAX:
             raise ConfigError(f"max_world_size: must be between 1 and {_WORLD_SIZE_FIELD_MAX}, "
                               f"got {self.max_world_size}")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"threads: must be between 1 and {MAX_THREADS}, got "
+                              f"{self.threads}")
         if self.metrics_max_jobs < 0:
             raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
         self._validate_credential()
@@ -244,6 +258,7 @@ _FLAGS = {
     "--stream-idle-timeout": "stream_idle_timeout_s",
     "--data-listen": "data_listen",
     "--max-world-size": "max_world_size",
+    "--threads": "threads",
 }
 _HELP = {
     "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
@@ -268,6 +283,8 @@ _HELP = {
                              "(default 600)",
     "max_world_size": f"largest world_size a shard may declare (default "
                       f"{DEFAULT_MAX_WORLD_SIZE})",
+    "threads": f"summing threads, chunks spread over them (default: the CPUs this process "
+               f"may run on, {available_cpus()} here; 1 sums on the event loop's thread)",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
                    "the default) or 'off'; off under TLS",
 }

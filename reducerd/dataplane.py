@@ -64,9 +64,8 @@ class DataPlane:
     def __init__(self, session: Session, loop: asyncio.AbstractEventLoop,
                  access: Access, max_message_bytes: int,
                  send_timeout_s: float = 60.0, tls_context: ssl.SSLContext | None = None,
-                 budget: MemoryBudget | None = None,
-                 max_handshaking: int = MAX_HANDSHAKING,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 budget: MemoryBudget | None = None, max_handshaking: int | None = None,
+                 max_connections: int | None = None) -> None:
         self.session = session
         self.loop = loop
         self.access = access
@@ -76,8 +75,9 @@ class DataPlane:
                                        send_timeout_s=send_timeout_s,
                                        handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
                                        frame_timeout_s=send_timeout_s)
-        self.max_handshaking = max_handshaking
-        self.max_connections = max_connections
+        # Read when built, not when imported: tests start daemons with smaller caps.
+        self.max_handshaking = max_handshaking or MAX_HANDSHAKING
+        self.max_connections = max_connections or MAX_CONNECTIONS
         self._listener: socket.socket | None = None
         # _lock guards _handshaking, _connections and _stopped; taken by the
         # accept thread, the connections' threads and stop() (loop thread).

@@ -2,7 +2,10 @@
 
 Pure Python and NumPy, no gRPC: the session checks and routes shards here
 and delivers what this module returns. Every method runs on the daemon's event
-loop thread, so the table needs no lock.
+loop thread, so the table needs no lock. With a SummingPool (--threads N > 1)
+the arithmetic runs on summing threads (reducerd.chunk_sums): the table still
+counts every contribution here, and a completed chunk's result comes back to
+land_result, which delivers it through `on_deliveries`.
 
 Numerics: each chunk owns one float32 accumulator. The first contribution is
 converted into it, the others are added in place; MEAN divides by world_size
@@ -13,12 +16,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
-from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import accumulate
+from reducerd.chunk_sums import PooledSums, narrow_result
 from reducerd.chunks import (
     CachedResult,
     ChunkId,
@@ -37,7 +40,8 @@ from reducerd.limits import (
     describe_missing,
     missing_ranks,
 )
-from reducerd.replies import Reply, result_reply
+from reducerd.replies import Reply
+from reducerd.summing import SummingPool
 
 # The records live in reducerd.chunks; these names are imported from here too.
 __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
@@ -50,6 +54,7 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNAVAILABLE = "UNAVAILABLE"
+INTERNAL = "INTERNAL"
 
 
 class ReductionTable:
@@ -75,7 +80,8 @@ class ReductionTable:
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
                  clock: Callable[[], float] = time.monotonic,
                  max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB,
-                 budget: MemoryBudget | None = None) -> None:
+                 budget: MemoryBudget | None = None,
+                 summing: SummingPool | None = None) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
         self.max_open_chunks_per_job = max_open_chunks_per_job
@@ -92,6 +98,9 @@ class ReductionTable:
         self.max_cached_bytes = max_inflight_bytes // 2
         self._scratch = accumulate.WideningBuffer()
         self.accepting_new_chunks = True
+        # None: the loop thread sums inline. Else results land later, via on_deliveries.
+        self._pooled = PooledSums(summing, self) if summing is not None else None
+        self.on_deliveries: Callable[[list[Delivery]], None] = _undelivered
 
     # -- queries -------------------------------------------------------------
 
@@ -103,6 +112,19 @@ class ReductionTable:
     @property
     def open_chunk_count(self) -> int:
         return len(self._open)
+
+    @property
+    def sums_off_loop(self) -> bool:
+        """Whether summing threads sum (results land later, via on_deliveries)."""
+        return self._pooled is not None
+
+    def completing(self, chunks: Iterable[ChunkId]) -> bool:
+        """Whether one of `chunks` has all its contributions, its result not yet out."""
+        for cid in chunks:
+            chunk = self._open.get(cid)
+            if chunk is not None and len(chunk.ranks) >= chunk.world_size:
+                return True
+        return False
 
     def open_chunks(self, older_than_s: float = 0.0, at_most: int | None = None,
                     job: str = "") -> list[tuple[ChunkId, int, list[int], float]]:
@@ -169,15 +191,18 @@ class ReductionTable:
             sinks = (*open_chunk.sinks, sink)
             return [self._fail(chunk, INVALID_ARGUMENT, message, sinks, part)]
 
-        open_chunk.sinks.append(sink)
+        open_chunk.sinks[sink] = None
         if part.rank in open_chunk.ranks:
             return []  # a retry: already counted, this stream just waits too
-        accumulate.add_wire_into(open_chunk.acc, part.data, part.dtype,
-                                 self._scratch.for_part(part.dtype, part.numel))
+        if self._pooled is not None:
+            self._pooled.add(open_chunk, part)  # in the order counted here
+        else:
+            accumulate.add_wire_into(open_chunk.acc, part.data, part.dtype,
+                                     self._scratch.for_part(part.dtype, part.numel))
         open_chunk.ranks.add(part.rank)
         if len(open_chunk.ranks) < open_chunk.world_size:
             return []
-        return [self._complete(chunk, open_chunk, job)]
+        return self._complete(chunk, open_chunk, job)
 
     def expire(self) -> list[Delivery]:
         """Fail open chunks older than the round timeout; forget old failures."""
@@ -208,11 +233,25 @@ class ReductionTable:
         return [self._fail(cid, code, f"{cid.describe()}: {reason}", tuple(c.sinks))
                 for cid, c in list(self._open.items())]
 
-    def drop_sink(self, sink: Hashable) -> None:
-        """Forget a stream that ended; its counted contributions stay counted."""
-        for chunk in self._open.values():
-            if sink in chunk.sinks:
-                chunk.sinks[:] = [s for s in chunk.sinks if s is not sink]
+    def drop_sink(self, sink: Hashable, chunks: Iterable[ChunkId] | None = None) -> None:
+        """Forget a stream that ended; its counted contributions stay counted.
+        `chunks`: those it waits for (Stream.waiting), so that the cost follows
+        them, not every open chunk; None looks in every open chunk."""
+        for cid in self._open if chunks is None else chunks:
+            chunk = self._open.get(cid)
+            if chunk is not None:
+                chunk.sinks.pop(sink, None)
+
+    def land_result(self, cid: ChunkId, chunk: OpenChunk, reply: Reply) -> None:
+        """A summing thread finished `chunk` (loop thread): deliver its result."""
+        if self._open.get(cid) is not chunk:
+            return  # failed meanwhile (round timeout, shutdown): its streams were told
+        self.on_deliveries([self._completed(cid, chunk, self.jobs[cid.job], reply)])
+
+    def summing_failed(self, cid: ChunkId, chunk: OpenChunk, message: str) -> None:
+        """A summing thread failed on `chunk` (our fault, logged): INTERNAL for all."""
+        if self._open.get(cid) is chunk:
+            self.on_deliveries([self._fail(cid, INTERNAL, message, tuple(chunk.sinks))])
 
     # -- internals -----------------------------------------------------------
 
@@ -232,30 +271,34 @@ class ReductionTable:
                        f"this chunk needs {nbytes} more, over the limit of "
                        f"{self.max_inflight_bytes} (--max-inflight-bytes)")
             return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
+        chunk: OpenChunk | None = None
         try:
             acc = np.empty(part.numel, dtype=np.float32)
-            accumulate.copy_wire_into(acc, part.data, part.dtype)
-        except BaseException:  # not opened: the room goes back
-            self.budget.give_accumulator(nbytes)
+            chunk = OpenChunk(first_rank=part.rank, world_size=part.world_size,
+                              dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
+                              started_s=now, ranks={part.rank}, sinks={sink: None})
+            if self._pooled is not None:
+                self._pooled.open(cid, chunk, part)  # its last task gives the room back
+            else:
+                accumulate.copy_wire_into(acc, part.data, part.dtype)
+        except BaseException:
+            if chunk is None or chunk.sums is None:  # not opened: the room goes back
+                self.budget.give_accumulator(nbytes)
             raise
-        chunk = OpenChunk(first_rank=part.rank, world_size=part.world_size,
-                          dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
-                          started_s=now, ranks={part.rank}, sinks=[sink])
         job.open_chunks += 1
         self._open[cid] = chunk
         if part.world_size == 1:
-            return [self._complete(cid, chunk, job)]
+            return self._complete(cid, chunk, job)
         return []
 
-    def _complete(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> Delivery:
-        acc = chunk.acc
-        if chunk.op == pb.REDUCE_OP_MEAN:
-            # Divide the float32 sum once, before the single rounding to the wire dtype.
-            np.divide(acc, np.float32(chunk.world_size), out=acc)
-        # Rounded once, straight into the reply message every sink gets.
-        reply = result_reply(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
-                             dtype=chunk.dtype, op=chunk.op, world_size=chunk.world_size,
-                             acc=acc)
+    def _complete(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> list[Delivery]:
+        if self._pooled is not None:  # open until its summing thread lands the result
+            self._pooled.finish(chunk)
+            return []
+        return [self._completed(cid, chunk, job, narrow_result(cid, chunk))]
+
+    def _completed(self, cid: ChunkId, chunk: OpenChunk, job: JobStats,
+                   reply: Reply) -> Delivery:
         self._release(cid, chunk, job)
         self._cache_result(cid, chunk, reply)
         job.chunks_completed += 1
@@ -334,5 +377,14 @@ class ReductionTable:
 
     def _release(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> None:
         if self._open.pop(cid, None) is not None:
-            self.budget.give_accumulator(chunk.acc.nbytes)
+            if chunk.sums is None:
+                self.budget.give_accumulator(chunk.acc.nbytes)
+            else:  # its summing thread gives the room back after its last task
+                assert self._pooled is not None
+                self._pooled.release(chunk)
             job.open_chunks -= 1
+
+
+def _undelivered(deliveries: list[Delivery]) -> None:
+    raise RuntimeError("a summed chunk landed, but the table has no on_deliveries "
+                       "(the Session sets it)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.tls import server_context
 
 from reducerd.access import Access
 from reducerd.config import Config
@@ -150,9 +152,17 @@ class Daemon:
         address = self.config.data_address
         if address is None:
             return
+        cfg = self.config
+        tls_context = None
+        if cfg.tls_cert and cfg.tls_key:
+            try:
+                tls_context = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            except (ssl.SSLError, OSError) as exc:
+                raise RuntimeError(f"tls_cert / tls_key / tls_client_ca: cannot load them "
+                                   f"for the data plane: {exc}") from None
         self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), Access(token),
-                                    self.config.max_message_bytes,
-                                    send_timeout_s=self.config.round_timeout_s)
+                                    cfg.max_message_bytes, send_timeout_s=cfg.round_timeout_s,
+                                    tls_context=tls_context)
         self.servicer.data_port = self.data_plane.start(*address)
 
     def _start_metrics(self, address: str) -> None:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 import grpc
@@ -74,6 +74,10 @@ class Stream:
         # Set once the last item is in the outbox: nothing more goes in, no shard is taken.
         self.ended = False
         self.last_message_s = time.monotonic()
+        # With summing threads (set by the Session): whether chunks it waits for are
+        # complete, their results still being summed. An end waits for those (held_end).
+        self.results_pending: Callable[[], bool] | None = None
+        self.held_end: tuple[grpc.StatusCode, str] | None = None
 
     def half_close(self) -> None:
         """The client sent its last shard: end with OK once all it waits for is answered."""
@@ -91,10 +95,20 @@ class Stream:
             self.outbox.put_nowait(END)
 
     def end(self, code: grpc.StatusCode, message: str) -> None:
-        """End with `code` (after the replies already in the outbox); the first end counts."""
+        """End with `code` (after the replies already in the outbox, and the results
+        of chunks it completed that summing threads still sum); the first end counts."""
         if not self.ended:
             self.ended = True
-            self.outbox.put_nowait((code, message))
+            if self.results_pending is not None and self.results_pending():
+                self.held_end = (code, message)  # put by end_when_delivered
+            else:
+                self.outbox.put_nowait((code, message))
+
+    def end_when_delivered(self) -> None:
+        """Put the held end once no result it waits for is still being summed."""
+        if self.held_end is not None and not (self.results_pending and self.results_pending()):
+            self.outbox.put_nowait(self.held_end)
+            self.held_end = None
 
 
 class DecodeFault(NamedTuple):
@@ -155,6 +169,7 @@ class Session:
     def __init__(self, table: ReductionTable, observer: Observer | None = None,
                  max_world_size: int = DEFAULT_MAX_WORLD_SIZE) -> None:
         self.table = table
+        table.on_deliveries = self.deliver  # results summed off the loop land here
         self.observer = observer
         self.max_world_size = max_world_size
         self.streams: set[Stream] = set()
@@ -165,12 +180,14 @@ class Session:
 
     def open_stream(self, stream: Stream) -> None:
         self.streams.add(stream)
+        if self.table.sums_off_loop:
+            stream.results_pending = lambda: self.table.completing(stream.waiting)
 
     def close_stream(self, stream: Stream) -> None:
         """Forget a stream that ended; its counted contributions stay counted."""
         self.streams.discard(stream)
         try:
-            self.table.drop_sink(stream)
+            self.table.drop_sink(stream, stream.waiting)  # not every open chunk
         except Exception:
             log.exception("reducerd fault while forgetting the stream from %s", stream.peer)
 
@@ -240,7 +257,7 @@ class Session:
         for sink in dict.fromkeys(d.sinks):
             stream: Stream = sink  # type: ignore[assignment]
             stream.waiting.discard(d.chunk)
-            if stream.ended:
+            if stream.ended and stream.held_end is None:
                 continue
             if code is not None and not stream.inband_errors:
                 stream.end(code, d.error_message)
@@ -258,6 +275,9 @@ class Session:
                     message = bytes(reply.message)
                 stream.outbox.put_nowait(message)
             stream.maybe_finish()
+        for sink in d.sinks:
+            if sink.held_end is not None:  # type: ignore[attr-defined]
+                sink.end_when_delivered()  # type: ignore[attr-defined]
 
     def expire(self, idle_timeout_s: float) -> None:
         """Fail chunks past the round timeout; end streams idle for `idle_timeout_s`."""

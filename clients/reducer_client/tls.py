@@ -1,16 +1,18 @@
 """TLS options of the client: server verification and, for mutual TLS, our certificate.
 
-The credentials come from reducer_wire.tls, the helper `reducerd status` uses too.
+The credentials (gRPC) and the ssl context (the TCP data plane) come from
+reducer_wire.tls, the helper `reducerd status` and the daemon use too.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 import grpc
 from reducer_wire import tls as wire_tls
 
-__all__ = ["TLSConfig", "channel_credentials"]
+__all__ = ["TLSConfig", "channel_credentials", "ssl_context"]
 
 
 @dataclass(frozen=True)
@@ -34,3 +36,8 @@ class TLSConfig:
 
 def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
     return wire_tls.channel_credentials(tls.ca_file, tls.cert_file, tls.key_file)
+
+
+def ssl_context(tls: TLSConfig) -> ssl.SSLContext:
+    """The same trust and certificate for the daemons' TCP data plane."""
+    return wire_tls.client_context(tls.ca_file, tls.cert_file, tls.key_file)

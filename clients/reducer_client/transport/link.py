@@ -10,8 +10,9 @@ Transports (base.py): a Control (the daemon's brief status: its data port and
 round timeout) and the transports tried in order at each stream. By default
 the real ones: data_plane "auto" is [TCP data plane, gRPC] (the data plane is
 much cheaper, gRPC takes over where the daemon offers none or it cannot be
-reached), "tcp" or "grpc" insist on one; with TLS only gRPC. Tests inject the
-in-process fake (fake.py).
+reached, or refused it for capacity), "tcp" or "grpc" insist on one; with TLS
+the data plane runs over TLS too (tls_context). Tests inject the in-process
+fake (fake.py).
 
 Recovery: when the stream breaks with a retryable status (errors.py: the
 daemon restarted or went away, or refused the connection for capacity), the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -66,13 +68,16 @@ class _Pending(NamedTuple):
 def real_transports(address: str, metadata: Sequence[tuple[str, str]] = (),
                     credentials: grpc.ChannelCredentials | None = None,
                     extra_options: Sequence[tuple[str, Any]] = (), token: str = "",
-                    data_plane: str = "auto") -> tuple[Control, list[Transport]]:
-    """The daemon's gRPC service (also the Control) and, unless TLS is on or
-    data_plane is "grpc", its TCP data plane first."""
+                    data_plane: str = "auto", tls_context: ssl.SSLContext | None = None,
+                    tls_server_name: str | None = None) -> tuple[Control, list[Transport]]:
+    """The daemon's gRPC service (also the Control) and, unless data_plane is
+    "grpc" (or gRPC has TLS but no tls_context came for the data plane), its
+    TCP data plane first, with TLS when tls_context is given."""
     service = GrpcTransport(address, metadata, credentials, extra_options)
-    if credentials is not None:  # the TCP data plane is not encrypted
+    if credentials is not None and tls_context is None:
         return service, [service]
-    tcp = TcpTransport(address.rpartition(":")[0].strip("[]"), token, MAX_MESSAGE_BYTES)
+    tcp = TcpTransport(address.rpartition(":")[0].strip("[]"), token, MAX_MESSAGE_BYTES,
+                       tls_context=tls_context, server_hostname=tls_server_name)
     chains: dict[str, list[Transport]] = {"auto": [tcp, service], "tcp": [tcp],
                                           "grpc": [service]}
     return service, chains[data_plane]
@@ -85,14 +90,17 @@ class DaemonLink:
                  credentials: grpc.ChannelCredentials | None = None,
                  extra_options: Sequence[tuple[str, Any]] = (), *, token: str = "",
                  data_plane: str = "auto", transports: Sequence[Transport] | None = None,
-                 control: Control | None = None) -> None:
+                 control: Control | None = None, tls_context: ssl.SSLContext | None = None,
+                 tls_server_name: str | None = None) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
-        if credentials is not None and data_plane == "tcp":
-            raise ValueError("data_plane='tcp' has no TLS: use 'auto' or 'grpc' with tls")
+        if credentials is not None and tls_context is None and data_plane == "tcp":
+            raise ValueError("data_plane='tcp' with TLS needs tls_context (the data plane's "
+                             "TLS): use 'auto' or 'grpc', or give it")
         if transports is None:
             control, transports = real_transports(address, metadata, credentials,
-                                                  extra_options, token, data_plane)
+                                                  extra_options, token, data_plane,
+                                                  tls_context, tls_server_name)
         if control is None or not transports:
             raise ValueError("give a control and at least one transport, or neither")
         self.address = address

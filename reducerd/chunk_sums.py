@@ -1,0 +1,191 @@
+"""The reduction table's chunks summed on the summing pool (--threads N > 1).
+
+On the loop thread the table says what happens to a chunk (open, add,
+finish, release) and this module queues it on the chunk's partition of the
+SummingPool; on the chunk's summing thread the tasks copy or add the wire
+data into its float32 accumulator, and the finish divides (MEAN) and narrows
+the result into its reply message, then posts it back to the table
+(ReductionTable.land_result), which caches and delivers it.
+
+An accumulator lives as long as some thread may write it: every chunk gets
+exactly one last task (the finish, or a discard queued when the chunk fails
+or times out with adds still queued), behind all its adds, and that task
+gives the accumulator's room back to the MemoryBudget. So bytes_held counts
+it until no thread can touch it, and a failed chunk's queued adds run into
+memory that is still its own (or are skipped) instead of freed memory.
+
+Results are posted back to the loop thread, not put into the streams'
+outboxes from the summing thread: the streams' state (what they wait for,
+whether they ended), the gRPC outboxes (asyncio queues), the result cache and
+the metrics all belong to the loop thread; one post per chunk (not per
+contribution) costs little, and the fan-out to every contributor stays where
+it was measured flat per contributor.
+
+Numerics are the inline path's: float32 accumulation in the order the loop
+counted the contributions, MEAN divided in float32 once, one rounding to the
+wire dtype (reducerd.reduction).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd import accumulate
+from reducerd.chunks import ChunkId, Contribution, OpenChunk
+from reducerd.replies import Reply, result_reply
+from reducerd.summing import PoolClosed, SummingPool
+
+if TYPE_CHECKING:
+    from reducerd.reduction import ReductionTable
+
+__all__ = ["ChunkSums", "PooledSums", "narrow_result"]
+
+log = logging.getLogger("reducerd")
+
+
+def narrow_result(cid: ChunkId, chunk: OpenChunk) -> Reply:
+    """The chunk's reply: MEAN divided, the float32 sum rounded once into it."""
+    acc = chunk.acc
+    if chunk.op == pb.REDUCE_OP_MEAN:
+        # Divide the float32 sum once, before the single rounding to the wire dtype.
+        np.divide(acc, np.float32(chunk.world_size), out=acc)
+    # Rounded once, straight into the reply message every sink gets.
+    return result_reply(job=cid.job, key=cid.key, round=cid.round, offset=cid.offset,
+                        dtype=chunk.dtype, op=chunk.op, world_size=chunk.world_size, acc=acc)
+
+
+class ChunkSums:
+    """A pooled chunk's summing state (its OpenChunk's `sums`).
+
+    partition: fixed when the chunk opens, so its tasks run in order on one thread.
+    fault: the first exception of its tasks (written and read on that thread).
+    cancelled: set by the loop when the chunk failed: later tasks skip the work.
+    ended: set by the loop once the last task (finish or discard) is queued.
+    """
+
+    __slots__ = ("cid", "chunk", "partition", "fault", "cancelled", "ended")
+
+    def __init__(self, cid: ChunkId, chunk: OpenChunk, partition: int) -> None:
+        self.cid, self.chunk, self.partition = cid, chunk, partition
+        self.fault: BaseException | None = None
+        self.cancelled = False
+        self.ended = False
+
+
+class PooledSums:
+    """The table's side of the pool: loop-thread calls queue tasks on the chunk's partition."""
+
+    def __init__(self, pool: SummingPool, table: ReductionTable) -> None:
+        self.pool = pool
+        self.table = table
+        self.budget = table.budget
+
+    # -- loop thread ---------------------------------------------------------
+
+    def open(self, cid: ChunkId, chunk: OpenChunk, part: Contribution) -> None:
+        """Queue the chunk's first contribution (copied into its accumulator)."""
+        sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition())
+        try:
+            self._queue(sums, self._copy, part)
+        except BaseException:
+            chunk.sums = None  # nothing queued: the table gives the room back
+            raise
+
+    def add(self, chunk: OpenChunk, part: Contribution) -> None:
+        self._queue(chunk.sums, self._add, part)
+
+    def finish(self, chunk: OpenChunk) -> None:
+        """Queue the finish behind the adds; it posts the result to land_result."""
+        sums: ChunkSums = chunk.sums
+        sums.ended = True
+        try:
+            self.pool.submit(sums.partition, self._finish, sums)
+        except BaseException:
+            sums.ended = False  # not queued: release() must still give the room back
+            raise
+
+    def release(self, chunk: OpenChunk) -> None:
+        """The chunk left the table (done, failed, timed out): skip what is still
+        queued for it; the room goes back once its last task ran."""
+        sums: ChunkSums = chunk.sums
+        sums.cancelled = True
+        if sums.ended:
+            return
+        sums.ended = True
+        try:
+            self.pool.submit(sums.partition, self._discard, sums)
+        except PoolClosed:  # no thread will touch it any more
+            self.budget.give_accumulator(chunk.acc.nbytes)
+
+    def _queue(self, sums: ChunkSums, task: Any, part: Contribution) -> None:
+        # The received data stays alive (and counted) until its task ran.
+        nbytes = len(part.data)
+        self.budget.take_transport(nbytes)
+        try:
+            self.pool.submit(sums.partition, task, sums, part.data, part.dtype, nbytes,
+                             nbytes=nbytes)
+        except BaseException:
+            self.budget.give_transport(nbytes)
+            raise
+
+    # -- the chunk's summing thread ------------------------------------------
+
+    def _copy(self, scratch: accumulate.WideningBuffer, sums: ChunkSums,
+              data: bytes | memoryview, dtype: int, nbytes: int) -> None:
+        try:
+            if sums.fault is None and not sums.cancelled:
+                accumulate.copy_wire_into(sums.chunk.acc, data, dtype)
+        except Exception as exc:
+            self._fault(sums, exc)
+        finally:
+            self.budget.give_transport(nbytes)
+
+    def _add(self, scratch: accumulate.WideningBuffer, sums: ChunkSums,
+             data: bytes | memoryview, dtype: int, nbytes: int) -> None:
+        try:
+            if sums.fault is None and not sums.cancelled:
+                acc = sums.chunk.acc
+                accumulate.add_wire_into(acc, data, dtype, scratch.for_part(dtype, acc.size))
+        except Exception as exc:
+            self._fault(sums, exc)
+        finally:
+            self.budget.give_transport(nbytes)
+
+    def _finish(self, scratch: accumulate.WideningBuffer, sums: ChunkSums) -> None:
+        try:
+            if sums.fault is None and not sums.cancelled:
+                reply = narrow_result(sums.cid, sums.chunk)
+                self.pool.post(self._on_loop, self.table.land_result, sums, reply)
+        except Exception as exc:
+            self._fault(sums, exc)
+        finally:  # the last task of the chunk: no thread writes the accumulator now
+            self.budget.give_accumulator(sums.chunk.acc.nbytes)
+
+    def _discard(self, scratch: accumulate.WideningBuffer, sums: ChunkSums) -> None:
+        self.budget.give_accumulator(sums.chunk.acc.nbytes)
+
+    def _fault(self, sums: ChunkSums, exc: Exception) -> None:
+        """Our own bug (or MemoryError): log it with its traceback, fail the chunk
+        with INTERNAL on the loop thread, skip its remaining tasks."""
+        log.error("reducerd fault while summing %s (a fault of the daemon, not of a "
+                  "client): the chunk fails with INTERNAL", sums.cid.describe(), exc_info=exc)
+        if sums.fault is None:
+            sums.fault = exc
+            message = (f"{sums.cid.describe()}: reducerd internal error (a fault of the "
+                       f"daemon, not of this client) while summing: {exc!r}; the daemon's "
+                       "log has the traceback")
+            self.pool.post(self._on_loop, self.table.summing_failed, sums, message)
+
+    # -- back on the loop thread ---------------------------------------------
+
+    @staticmethod
+    def _on_loop(fn: Any, sums: ChunkSums, *args: Any) -> None:
+        try:
+            fn(sums.cid, sums.chunk, *args)
+        except Exception:  # the round timeout still fails the chunk for its streams
+            log.exception("reducerd fault while handing back %s from its summing thread",
+                          sums.cid.describe())

@@ -1,0 +1,193 @@
+"""The summing pool: threads that add contributions off the event loop (--threads N).
+
+The event-loop thread keeps the reduction table's bookkeeping (which ranks
+arrived, who waits, limits, failures, timeouts) and hands the arithmetic to
+N summing threads, each with its own FIFO queue (a partition). A chunk is
+given one partition when it opens (pick_partition) and keeps it for life, so
+its adds run one after the other in the order the loop counted them: an
+accumulator is only ever written by one thread, and no lock is held while
+adding. The C kernels (reducer_wire._kernels) and NumPy release the GIL, so
+the threads sum side by side, beside the loop and the data plane's threads.
+
+Bounds: the loop thread waits in submit() while more than
+`queued_bytes_at_most` of input is queued (as it waits today while it sums
+inline), so a slow pool slows the readers down instead of buffering their
+frames without limit. A summing thread never waits for the loop: it posts
+what the loop must do (deliver a result) with `post` (the loop's
+call_soon_threadsafe), which never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from reducerd.accumulate import WideningBuffer
+
+__all__ = ["SummingPool", "PoolClosed", "QUEUED_BYTES_PER_THREAD"]
+
+log = logging.getLogger("reducerd")
+
+# Input queued per summing thread before the loop waits: a few chunks each
+# (1 MiB chunks of float16 sum in about 0.1 ms on one core), enough to keep
+# every thread busy between the loop's hand-offs and small beside
+# --max-inflight-bytes, which counts them (MemoryBudget, as transport bytes).
+QUEUED_BYTES_PER_THREAD = 8 << 20
+_STOP = object()
+
+Post = Callable[..., Any]
+
+
+class PoolClosed(RuntimeError):
+    """Work handed to a pool that was closed (the daemon is stopping)."""
+
+
+class _Partition:
+    """One summing thread's FIFO. `cond` guards `items`; taken by the loop
+    thread (append) and the partition's thread (pop)."""
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.cond = threading.Condition()
+        self.queued_bytes = 0  # read without the lock by pick_partition (a hint)
+
+
+class SummingPool:
+    """N summing threads, one FIFO each; tasks run as task(scratch, *args)."""
+
+    def __init__(self, threads: int, queued_bytes_at_most: int | None = None) -> None:
+        if threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {threads}")
+        self.threads = threads
+        self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
+                                     else threads * QUEUED_BYTES_PER_THREAD)
+        self._parts = [_Partition() for _ in range(threads)]
+        # _room guards _queued_bytes, _pending and _closed; taken by the loop
+        # thread (submit, close) and by every summing thread after each task,
+        # never while a task runs.
+        self._room = threading.Condition()
+        self._queued_bytes = 0
+        self._pending = 0  # tasks queued or running
+        self._closed = False
+        self._next = 0  # where pick_partition starts looking (loop thread only)
+        self._workers: list[threading.Thread] = []
+        self._post: Post | None = None
+
+    # -- loop thread ---------------------------------------------------------
+
+    def start(self, post: Post) -> None:
+        """Start the threads; `post(fn, *args)` runs fn on the loop thread later."""
+        if self._workers:
+            raise RuntimeError("summing pool already started")
+        self._post = post
+        for index, part in enumerate(self._parts):
+            worker = threading.Thread(target=self._run, args=(index, part), daemon=True,
+                                      name=f"reducerd-sum-{index}")
+            worker.start()
+            self._workers.append(worker)
+        log.info("summing on %d threads", self.threads)
+
+    @property
+    def started(self) -> bool:
+        return bool(self._workers)
+
+    def pick_partition(self) -> int:
+        """The partition for a chunk that opens: the least loaded, in turn on ties."""
+        best, best_bytes = self._next, self._parts[self._next].queued_bytes
+        for step in range(1, self.threads):
+            index = (self._next + step) % self.threads
+            if self._parts[index].queued_bytes < best_bytes:
+                best, best_bytes = index, self._parts[index].queued_bytes
+        self._next = (best + 1) % self.threads
+        return best
+
+    def submit(self, partition: int, task: Callable[..., None], *args: Any,
+               nbytes: int = 0) -> None:
+        """Queue task(scratch, *args) behind `partition`'s earlier tasks. Waits
+        while more than queued_bytes_at_most of input is queued; raises
+        PoolClosed once the pool is closed."""
+        with self._room:
+            while (not self._closed and self._queued_bytes
+                   and self._queued_bytes + nbytes > self.queued_bytes_at_most):
+                self._room.wait()
+            if self._closed:
+                raise PoolClosed("the summing pool is closed (the daemon is stopping)")
+            self._queued_bytes += nbytes
+            self._pending += 1
+        part = self._parts[partition]
+        with part.cond:
+            part.queued_bytes += nbytes
+            part.items.append((task, args, nbytes))
+            part.cond.notify()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop thread (from a summing thread); dropped
+        once the loop is gone."""
+        assert self._post is not None, "post before start"
+        try:
+            self._post(fn, *args)
+        except RuntimeError:  # the loop is closed: the daemon is gone
+            pass
+
+    @property
+    def pending(self) -> int:
+        """Tasks queued or running."""
+        return self._pending
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no task is queued or running; False after `timeout_s`."""
+        with self._room:
+            return self._room.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Refuse new tasks, run every queued one, stop the threads; False if
+        some thread was still busy after `timeout_s` (it stays a daemon thread)."""
+        with self._room:
+            if self._closed:
+                return not any(w.is_alive() for w in self._workers)
+            self._closed = True
+            self._room.notify_all()  # a submit waiting for room gives up
+        for part in self._parts:
+            with part.cond:
+                part.items.append(_STOP)  # behind the queued tasks: they run first
+                part.cond.notify()
+        deadline = time.monotonic() + timeout_s
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        stuck = [w.name for w in self._workers if w.is_alive()]
+        if stuck:
+            log.error("summing threads %s still busy %g s after the pool closed",
+                      ", ".join(stuck), timeout_s)
+        return not stuck
+
+    # -- summing threads -----------------------------------------------------
+
+    def _run(self, index: int, part: _Partition) -> None:
+        scratch = WideningBuffer()  # this thread's own (NumPy's widening, no C kernels)
+        while True:
+            with part.cond:
+                while not part.items:
+                    part.cond.wait()
+                item = part.items.popleft()
+            if item is _STOP:
+                return
+            task, args, nbytes = item
+            try:
+                task(scratch, *args)
+            except Exception:  # tasks answer their own faults; this one is a bug
+                log.exception("reducerd fault in summing thread %d (task %r)", index, task)
+            finally:
+                with part.cond:
+                    part.queued_bytes -= nbytes
+                with self._room:
+                    self._queued_bytes -= nbytes
+                    self._pending -= 1
+                    self._room.notify_all()

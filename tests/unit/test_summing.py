@@ -1,0 +1,292 @@
+"""The summing pool (--threads N): partitions, their FIFO order, bounds, faults, shutdown.
+
+The pool alone first (reducerd.summing), then the reduction table on it
+(reducerd.chunk_sums): the same sums as the inline path, bit for bit; a
+fault in a summing thread fails the chunk with INTERNAL; a chunk that times
+out or is failed at shutdown while its adds are still queued keeps its
+accumulator (and its room in the memory budget) until they have run.
+Posts to the loop thread are collected here and run on the test's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+from reducer_wire import convert
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd import chunk_sums
+from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.summing import PoolClosed, SummingPool
+
+pytestmark = pytest.mark.timeout(60)
+
+F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32
+SUM, MEAN = pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN
+WAIT_S = 10.0
+
+
+class Loop:
+    """Stands in for the event loop: collects posts, runs them on this thread."""
+
+    def __init__(self) -> None:
+        self.posted: queue.SimpleQueue = queue.SimpleQueue()
+
+    def post(self, fn, *args) -> None:
+        self.posted.put((fn, args))
+
+    def run(self, pool: SummingPool) -> None:
+        """Run every post until the pool is idle and nothing is left."""
+        while True:
+            assert pool.wait_idle(WAIT_S), "summing pool still busy"
+            if self.posted.empty():
+                return
+            while not self.posted.empty():
+                fn, args = self.posted.get()
+                fn(*args)
+
+
+@pytest.fixture
+def loop_and_pool():
+    pools: list[SummingPool] = []
+
+    def make(threads: int = 2, **kwargs) -> tuple[Loop, SummingPool]:
+        loop, pool = Loop(), SummingPool(threads, **kwargs)
+        pool.start(loop.post)
+        pools.append(pool)
+        return loop, pool
+
+    yield make
+    for pool in pools:
+        assert pool.close(WAIT_S)
+
+
+# -- the pool alone ------------------------------------------------------------
+
+
+def test_each_partition_runs_its_tasks_in_order_on_one_thread(loop_and_pool):
+    _, pool = loop_and_pool(3)
+    ran: dict[int, list[tuple[int, str]]] = {0: [], 1: [], 2: []}
+
+    def task(scratch, partition, seq):
+        time.sleep(0.0005 * (seq % 3))  # uneven durations: order must still hold
+        ran[partition].append((seq, threading.current_thread().name))
+
+    for seq in range(60):
+        pool.submit(seq % 3, task, seq % 3, seq)
+    assert pool.wait_idle(WAIT_S)
+    for partition, got in ran.items():
+        assert [seq for seq, _ in got] == list(range(partition, 60, 3))
+        assert {name for _, name in got} == {f"reducerd-sum-{partition}"}
+
+
+def test_partitions_run_side_by_side_with_no_lock_held(loop_and_pool):
+    """Two tasks that can only pass a barrier together: they ran at once."""
+    _, pool = loop_and_pool(2)
+    barrier = threading.Barrier(2, timeout=WAIT_S)
+    passed = []
+
+    def task(scratch):
+        barrier.wait()
+        passed.append(threading.current_thread().name)
+
+    pool.submit(0, task)
+    pool.submit(1, task)
+    assert pool.wait_idle(WAIT_S)
+    assert sorted(passed) == ["reducerd-sum-0", "reducerd-sum-1"]
+
+
+def test_chunks_open_on_the_least_loaded_partition(loop_and_pool):
+    _, pool = loop_and_pool(3)
+    gate = threading.Event()
+    pool.submit(0, lambda scratch: gate.wait(WAIT_S), nbytes=100)
+    # Partition 0 holds 100 bytes: new chunks go to 1 and 2, in turn.
+    assert [pool.pick_partition() for _ in range(4)] == [1, 2, 1, 2]
+    gate.set()
+    assert pool.wait_idle(WAIT_S)
+    assert sorted(pool.pick_partition() for _ in range(3)) == [0, 1, 2]
+
+
+def test_submit_waits_while_the_queue_is_full(loop_and_pool):
+    _, pool = loop_and_pool(1, queued_bytes_at_most=1000)
+    gate = threading.Event()
+    pool.submit(0, lambda scratch: gate.wait(WAIT_S), nbytes=800)
+    submitted = threading.Event()
+    helper = threading.Thread(target=lambda: (pool.submit(0, lambda s: None, nbytes=300),
+                                              submitted.set()))
+    helper.start()
+    assert not submitted.wait(0.2), "submit went past the bound"
+    assert pool.queued_bytes == 800
+    gate.set()
+    assert submitted.wait(WAIT_S)
+    helper.join(WAIT_S)
+    assert pool.wait_idle(WAIT_S) and pool.queued_bytes == 0
+    # One task larger than the bound alone still goes in (else it never could).
+    pool.submit(0, lambda scratch: None, nbytes=5000)
+    assert pool.wait_idle(WAIT_S)
+
+
+def test_close_runs_what_is_queued_then_refuses(loop_and_pool):
+    _, pool = loop_and_pool(2)
+    gate = threading.Event()
+    ran = []
+    pool.submit(0, lambda scratch: gate.wait(WAIT_S))
+    for i in range(20):
+        pool.submit(i % 2, lambda scratch, i=i: ran.append(i))
+    closed: list[bool] = []
+    closer = threading.Thread(target=lambda: closed.append(pool.close(WAIT_S)))
+    closer.start()
+    time.sleep(0.05)
+    assert closer.is_alive(), "close returned with work still queued"
+    gate.set()
+    closer.join(WAIT_S)
+    assert closed == [True] and sorted(ran) == list(range(20))
+    with pytest.raises(PoolClosed):
+        pool.submit(0, lambda scratch: None)
+
+
+def test_a_task_that_raises_is_logged_and_the_thread_goes_on(loop_and_pool, caplog):
+    _, pool = loop_and_pool(1)
+    ran = []
+
+    def bad(scratch):
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.ERROR, logger="reducerd"):
+        pool.submit(0, bad)
+        pool.submit(0, lambda scratch: ran.append("after"))
+        assert pool.wait_idle(WAIT_S)
+    assert ran == ["after"]
+    (record,) = [r for r in caplog.records if "summing thread 0" in r.getMessage()]
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+
+
+# -- the reduction table on the pool -------------------------------------------
+
+
+def part(rank, values, world_size, dtype=F16, op=SUM):
+    data = convert.to_wire(np.asarray(values, dtype=np.float32), dtype).tobytes()
+    return Contribution(rank, world_size, dtype, op, data)
+
+
+def pooled_table(loop_and_pool, threads=2, clock=time.monotonic):
+    loop, pool = loop_and_pool(threads)
+    table = ReductionTable(5.0, 1 << 30, clock=clock, summing=pool)
+    delivered: list = []
+    table.on_deliveries = delivered.extend
+    return loop, pool, table, delivered
+
+
+@pytest.mark.parametrize("dtype,op", [(F16, SUM), (BF16, MEAN), (F32, SUM), (F16, MEAN)])
+def test_pooled_sums_are_the_inline_sums_bit_for_bit(loop_and_pool, dtype, op):
+    loop, pool, table, delivered = pooled_table(loop_and_pool, threads=3)
+    inline = ReductionTable(5.0, 1 << 30)
+    rng = np.random.default_rng(7)
+    world, chunks, numel = 5, 12, 3000
+    expected = {}
+    for offset in range(chunks):
+        cid = ChunkId("job", "k", 0, offset * numel)
+        for rank in range(world):
+            p = part(rank, rng.standard_normal(numel) * 100, world, dtype, op)
+            assert table.contribute(cid, p, f"s{rank}") == []
+            for d in inline.contribute(cid, p, f"s{rank}"):
+                expected[cid] = bytes(d.data)
+    loop.run(pool)
+    assert {d.chunk: bytes(d.data) for d in delivered} == expected
+    assert all(set(d.sinks) == {f"s{r}" for r in range(world)} for d in delivered)
+    assert table.bytes_held == 0 and table.budget.transport_bytes == 0
+    assert table.open_chunk_count == 0 and table.jobs["job"].chunks_completed == chunks
+
+
+def test_two_contributors_in_either_order_are_bit_identical(loop_and_pool):
+    loop, pool, table, delivered = pooled_table(loop_and_pool)
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal(10_000).astype(np.float32) * 1e3 for _ in range(2))
+    cid = ChunkId("job", "k", 0, 0)
+    table.contribute(cid, part(1, b, 2), "s1")
+    table.contribute(cid, part(0, a, 2), "s0")
+    loop.run(pool)
+    inline = ReductionTable(5.0, 1 << 30)
+    inline.contribute(cid, part(0, a, 2), "s0")
+    (done,) = inline.contribute(cid, part(1, b, 2), "s1")
+    assert bytes(delivered[0].data) == bytes(done.data)
+
+
+def test_a_fault_in_a_summing_thread_fails_the_chunk_with_internal(
+        loop_and_pool, monkeypatch, caplog):
+    loop, pool, table, delivered = pooled_table(loop_and_pool)
+    real_add = chunk_sums.accumulate.add_wire_into
+
+    def add(acc, data, dtype, scratch=None):
+        if bytes(data) == part(1, [13.0], 3).data:
+            raise MemoryError("no room for the sum")
+        real_add(acc, data, dtype, scratch)
+
+    monkeypatch.setattr(chunk_sums.accumulate, "add_wire_into", add)
+    cid = ChunkId("job", "k", 0, 0)
+    with caplog.at_level(logging.ERROR, logger="reducerd"):
+        for rank, value in enumerate([1.0, 13.0, 2.0]):
+            table.contribute(cid, part(rank, [value], 3), f"s{rank}")
+        loop.run(pool)
+    (failed,) = delivered
+    assert failed.error_code == "INTERNAL" and set(failed.sinks) == {"s0", "s1", "s2"}
+    assert "fault of the daemon" in failed.error_message and "MemoryError" in failed.error_message
+    assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)
+    assert table.bytes_held == 0 and table.budget.transport_bytes == 0
+    # A rank that comes later hears the same failure, not a new round.
+    (again,) = table.contribute(cid, part(0, [1.0], 3), "late")
+    assert again.error_code == "INTERNAL" and again.repeat
+
+
+def test_a_timeout_with_adds_in_flight_keeps_the_accumulator_until_they_ran(
+        loop_and_pool, monkeypatch):
+    clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+    loop, pool, table, delivered = pooled_table(loop_and_pool, clock=clock)
+    gate, inside = threading.Event(), threading.Event()
+    real_add = chunk_sums.accumulate.add_wire_into
+    written: list[np.ndarray] = []
+
+    def slow_add(acc, data, dtype, scratch=None):
+        inside.set()
+        assert gate.wait(WAIT_S)
+        real_add(acc, data, dtype, scratch)
+        written.append(acc)
+
+    monkeypatch.setattr(chunk_sums.accumulate, "add_wire_into", slow_add)
+    cid = ChunkId("job", "k", 0, 0)
+    numel = 1000
+    table.contribute(cid, part(0, np.ones(numel), 3), "s0")
+    table.contribute(cid, part(1, np.ones(numel), 3), "s1")  # its add is held at the gate
+    assert inside.wait(WAIT_S)
+    clock.now = 6.0
+    (late,) = table.expire()  # told at once, while the add is still running
+    assert late.error_code == "DEADLINE_EXCEEDED" and set(late.sinks) == {"s0", "s1"}
+    assert "rank(s) 2 of 3" in late.error_message
+    assert table.open_chunk_count == 0
+    assert table.bytes_held == numel * 4, "the accumulator's room went back too early"
+    gate.set()
+    loop.run(pool)
+    assert delivered == [] and table.bytes_held == 0 and table.budget.transport_bytes == 0
+    assert written and written[0].tolist() == [2.0] * numel  # it wrote memory still its own
+
+
+def test_fail_all_with_a_finish_queued_delivers_only_the_failure(loop_and_pool, monkeypatch):
+    loop, pool, table, delivered = pooled_table(loop_and_pool)
+    gate = threading.Event()
+    real_copy = chunk_sums.accumulate.copy_wire_into
+    monkeypatch.setattr(chunk_sums.accumulate, "copy_wire_into",
+                        lambda *a: (gate.wait(WAIT_S), real_copy(*a)))
+    cid = ChunkId("job", "k", 0, 0)
+    assert table.contribute(cid, part(0, [1.0], 1), "s0") == []  # complete, being summed
+    assert table.open_chunk_count == 1  # the drain waits for it
+    (failed,) = table.fail_all("UNAVAILABLE", "daemon shut down")
+    assert failed.error_code == "UNAVAILABLE" and failed.sinks == ("s0",)
+    gate.set()
+    loop.run(pool)
+    assert delivered == [] and table.bytes_held == 0
+    assert pool.close(WAIT_S)
