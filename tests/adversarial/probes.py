@@ -35,14 +35,15 @@ GiB, MiB = 1 << 30, 1 << 20
 AS_LIMIT_BYTES = 3 * GiB
 
 _LIMITED_ENTRY = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
-                  "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
+                  "{1}; from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
 
 
 def limited_daemon(*args: str, log_dir: Path, as_limit_bytes: int = AS_LIMIT_BYTES,
-                   env: dict[str, str] | None = None) -> DaemonProcess:
-    """`reducerd --listen 127.0.0.1:0 ARGS` with its address space capped."""
+                   env: dict[str, str] | None = None, prelude: str = "pass") -> DaemonProcess:
+    """`reducerd --listen 127.0.0.1:0 ARGS` with its address space capped;
+    `prelude`: Python run first (e.g. a smaller cap patched into a module)."""
     return start_daemon(*args, log_dir=log_dir, env=env,
-                        entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes))))
+                        entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes), prelude)))
 
 
 def proc_status(pid: int, field: str) -> int:

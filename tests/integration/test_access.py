@@ -199,3 +199,27 @@ def test_clients_and_status_take_a_job_token_like_any_token(tmp_path, capsys, da
         assert "PERMISSION_DENIED" in capsys.readouterr().err
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_the_data_plane_is_offered_over_tls_and_tls_clients_use_it(tmp_path, pki, mutual):
+    """Under --tls-cert the data plane is served over TLS (mutual TLS with
+    --tls-client-ca, as gRPC): a TLS client keeps the fast path, sums exact."""
+    key, cert = pki["server"]
+    extra = ("--tls-client-ca", pki["ca"]) if mutual else ()
+    d = start_daemon("--tls-cert", cert, "--tls-key", key, *extra, log_dir=tmp_path)
+    try:
+        client_key, client_cert = pki["client"]
+        tls = (TLSConfig(ca_file=pki["ca"], cert_file=client_cert, key_file=client_key)
+               if mutual else TLSConfig(ca_file=pki["ca"]))
+        values = np.arange(3 << 20, dtype=np.float32) % 251  # 12 MiB: many TLS records
+        for data_plane in ("tcp", "auto"):
+            with ReducerClient([d.address], job="tls", rank=0, world_size=1, timeout=10,
+                               tls=tls, data_plane=data_plane) as client:
+                np.testing.assert_array_equal(client.allreduce(values, key="k"), values)
+                assert client.transports == ["tcp"]
+        if mutual:  # no client certificate: refused on the data plane as on gRPC
+            with pytest.raises(ReducerError):
+                _allreduce(d.address, tls=TLSConfig(ca_file=pki["ca"]), data_plane="tcp")
+    finally:
+        d.stop()

@@ -71,14 +71,15 @@ def test_data_listen_settings():
         parse(*base, "--data-listen", "7100")
 
 
-def test_data_listen_is_off_under_tls_and_cannot_be_forced(tmp_path):
+def test_data_listen_is_on_under_tls_too(tmp_path):
+    """Contract section 2 (new): under TLS the data plane is offered over TLS."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert.write_text("x")
     key.write_text("x")
     tls = ("--listen", "127.0.0.1:7000", "--tls-cert", str(cert), "--tls-key", str(key))
-    assert parse(*tls).data_address is None
-    with pytest.raises(ConfigError, match="not encrypted"):
-        parse(*tls, "--data-listen", "127.0.0.1:7100")
+    assert parse(*tls).data_address == ("127.0.0.1", 0)
+    assert parse(*tls, "--data-listen", "127.0.0.1:7100").data_address == ("127.0.0.1", 7100)
+    assert parse(*tls, "--data-listen", "off").data_address is None
 
 
 @pytest.mark.parametrize("value,expected", [("", "auto"), ("TCP", "tcp"), ("grpc", "grpc")])

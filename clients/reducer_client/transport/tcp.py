@@ -1,4 +1,4 @@
-"""The daemon's TCP data plane as a Transport (reducer_wire.framing).
+"""The daemon's TCP data plane as a Transport (reducer_wire.framing), TLS where given.
 
 gRPC Python costs about a CPU-second per GB on each end (scripts/grpc_ceiling.py),
 more than the reduction itself. A daemon started with a data port (reducerd
@@ -11,14 +11,25 @@ Per chunk: the frame header is written into the message's headroom, so header
 and Shard leave with one sendall; a reply is read into one receive buffer that
 is reused for the next (a reply is consumed before the next is asked for, see
 base.py), so nothing is allocated per reply once it has grown to the largest.
+
+TLS (a client with TLS, against a daemon with TLS): the connection is a
+reducer_wire.tls.TlsChannel, which the sender and the reader thread may use
+at once; its handshake is part of connect(), within the connect timeout.
+
+A daemon that refuses a stream for capacity (RESOURCE_EXHAUSTED before any
+reply: too many connections, or no memory for a frame) is not offered again
+for REFUSED_BACKOFF_S: open() raises NotOffered meanwhile, so the link sends
+through its next transport (gRPC) instead of failing or hammering the port.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
+import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -33,9 +44,11 @@ from reducer_wire.framing import (
     frame_header,
     parse_status,
     recv_exactly,
+    set_receive_tick,
     shutdown_quietly,
     tune_socket,
 )
+from reducer_wire.tls import TlsChannel
 
 from reducer_client.transport.base import (
     HEADROOM,
@@ -45,7 +58,10 @@ from reducer_client.transport.base import (
     TransportError,
 )
 
-__all__ = ["StreamBroken", "TcpStream", "TcpTransport"]
+__all__ = ["StreamBroken", "TcpStream", "TcpTransport", "REFUSED_BACKOFF_S"]
+
+# After a refusal for capacity, how long gRPC carries this daemon's streams.
+REFUSED_BACKOFF_S = 10.0
 
 # The name this module's callers knew; the seam's error now (base.py).
 StreamBroken = TransportError
@@ -60,11 +76,16 @@ class TcpTransport(Transport):
     label = "the TCP data plane"
 
     def __init__(self, host: str, token: str, max_message_bytes: int,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, tls_context: ssl.SSLContext | None = None,
+                 server_hostname: str | None = None) -> None:
         self.host = host
         self._token = token
         self._max_message_bytes = max_message_bytes
         self._connect_timeout_s = connect_timeout_s
+        self._tls_context = tls_context
+        self._server_hostname = server_hostname or host
+        # Until when a refusal for capacity keeps us off the port (monotonic s).
+        self._refused_until_s = 0.0
         # Streams still open, for close(); the reader thread adds, close() reads.
         self._streams: weakref.WeakSet[TcpStream] = weakref.WeakSet()
 
@@ -75,15 +96,23 @@ class TcpTransport(Transport):
             raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION,
                              "the daemon offers no TCP data plane (reducerd --data-listen)",
                              quiet=True)
+        if time.monotonic() < self._refused_until_s:
+            raise NotOffered(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"data port {port} refused a stream for capacity lately")
         stream = TcpStream(self.host, port, self._token, requests, self._max_message_bytes,
-                           self._connect_timeout_s)
+                           self._connect_timeout_s, self._tls_context, self._server_hostname,
+                           on_refused=self._refused)
         try:
             stream.connect()
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError is one: a TLS handshake that failed
+            what = "TLS handshake with" if isinstance(exc, ssl.SSLError) else "cannot connect to"
             raise NotOffered(grpc.StatusCode.UNAVAILABLE,
-                             f"cannot connect to data port {port}: {exc}") from None
+                             f"{what} data port {port}: {exc}") from None
         self._streams.add(stream)
         return stream
+
+    def _refused(self) -> None:
+        self._refused_until_s = time.monotonic() + REFUSED_BACKOFF_S
 
     def close(self) -> None:
         """Break the open streams: their readers see the end at once."""
@@ -100,23 +129,42 @@ class TcpStream:
     """
 
     def __init__(self, host: str, port: int, token: str, requests: Iterable[memoryview],
-                 max_message_bytes: int, connect_timeout_s: float = 5.0) -> None:
+                 max_message_bytes: int, connect_timeout_s: float = 5.0,
+                 tls_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
+                 on_refused: Callable[[], None] | None = None) -> None:
         self.host, self.port = host, port
         self._token = token
         self._requests = requests
         self._max_message_bytes = max_message_bytes
         self._connect_timeout_s = connect_timeout_s
+        self._tls_context = tls_context
+        self._server_hostname = server_hostname or host
+        self._on_refused = on_refused
         self._sock: socket.socket | None = None
+        self._io: socket.socket | TlsChannel | None = None  # the socket, or its TLS
 
     def connect(self) -> None:
-        """Open the connection and say hello; OSError when the port is unreachable."""
+        """Open the connection (TLS too, where given) and say hello; OSError
+        (ssl.SSLError for TLS) when the port is unreachable or refuses us."""
         sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
-        sock.settimeout(None)
-        tune_socket(sock)
-        token = self._token.encode()
-        sock.sendall(MAGIC + frame_header(HELLO, len(token)) + token)
-        self._sock = sock
-        threading.Thread(target=self._send, args=(sock,), daemon=True,
+        io: socket.socket | TlsChannel = sock
+        try:
+            sock.settimeout(None)
+            tune_socket(sock)
+            if self._tls_context is not None:
+                channel = TlsChannel(sock, self._tls_context, server_side=False,
+                                     server_hostname=self._server_hostname)
+                set_receive_tick(sock, 0.25)  # the handshake's deadline is checked
+                channel.handshake(time.monotonic() + self._connect_timeout_s)
+                set_receive_tick(sock, None)
+                io = channel
+            token = self._token.encode()
+            io.sendall(MAGIC + frame_header(HELLO, len(token)) + token)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._io = sock, io
+        threading.Thread(target=self._send, args=(io,), daemon=True,
                          name=f"reducer-tcp-send-{self.host}:{self.port}").start()
 
     def shutdown(self) -> None:
@@ -124,27 +172,30 @@ class TcpStream:
         if self._sock is not None:
             shutdown_quietly(self._sock)
 
-    def _send(self, sock: socket.socket) -> None:
+    def _send(self, io: socket.socket | TlsChannel) -> None:
         start = HEADROOM - _FRAME_HEADER_BYTES
+        sock = self._sock
+        assert sock is not None
         try:
             for item in self._requests:
                 frame = item[start:]
                 frame[:_FRAME_HEADER_BYTES] = frame_header(SHARD, len(frame) - _FRAME_HEADER_BYTES)
-                sock.sendall(frame)
+                io.sendall(frame)
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             shutdown_quietly(sock)  # the reader sees the break and reports it
 
     def __iter__(self) -> Iterator[ShardView]:
-        sock = self._sock
-        assert sock is not None, "connect() first"
+        sock, io = self._sock, self._io
+        assert sock is not None and io is not None, "connect() first"
+        replied = False
         where = f"data port {self.host}:{self.port}"
         header = bytearray(_FRAME_HEADER_BYTES)
         payload = np.empty(0, dtype=np.uint8)  # grows to the largest reply, then reused
         try:
             while True:
                 try:
-                    if not recv_exactly(sock, memoryview(header)):
+                    if not recv_exactly(io, memoryview(header)):
                         raise TransportError(grpc.StatusCode.UNAVAILABLE,
                                              f"{where}: the daemon closed the connection")
                     kind, length = header[0], int.from_bytes(header[1:], "little")
@@ -156,7 +207,7 @@ class TcpStream:
                     if payload.size < length:
                         payload = np.empty(length, dtype=np.uint8)
                     body = payload.data[:length]
-                    if length and not recv_exactly(sock, body):
+                    if length and not recv_exactly(io, body):
                         raise TruncatedFrame(f"connection ended inside a frame (0 of "
                                              f"{length} bytes)")
                 except (OSError, TruncatedFrame) as exc:  # the daemon went away
@@ -172,12 +223,16 @@ class TcpStream:
                                              f"{where}: {exc}") from None
                     if code == grpc.StatusCode.OK:
                         return
+                    if (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not replied
+                            and self._on_refused is not None):
+                        self._on_refused()  # refused for capacity: gRPC for a while
                     raise TransportError(code, message)
                 try:
                     reply = decode_shard(body)
                 except DecodeError as exc:
                     raise TransportError(grpc.StatusCode.INTERNAL,
                                          f"{where}: malformed reply: {exc}") from None
+                replied = True
                 yield reply
         finally:
             shutdown_quietly(sock)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -23,9 +24,10 @@ import numpy as np
 from reducer_wire.codes import status_code_from_value
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
-           "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header", "read_header",
-           "read_payload", "read_frame", "send_frame", "status_frame", "parse_status",
-           "recv_exactly", "set_receive_tick", "shutdown_quietly", "tune_socket"]
+           "Receiver", "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header",
+           "read_header", "read_payload", "read_frame", "send_frame", "status_frame",
+           "parse_status", "recv_exactly", "set_receive_tick", "shutdown_quietly",
+           "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
@@ -36,6 +38,12 @@ _STATUS_CODE = struct.Struct("<I")
 MAX_HELLO_BYTES = 4096
 # Sends the header with the payload in one segment where the OS allows it.
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
+
+
+class Receiver(Protocol):
+    """What the readers below need: a socket, or a reducer_wire.tls.TlsChannel."""
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, flags: int = 0) -> int: ...
 
 
 class FrameError(ValueError):
@@ -72,7 +80,7 @@ def parse_status(payload: memoryview) -> tuple[grpc.StatusCode, str]:
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
-def recv_exactly(sock: socket.socket, view: memoryview, deadline_s: float | None = None,
+def recv_exactly(sock: Receiver, view: memoryview, deadline_s: float | None = None,
                  ) -> bool:
     """Fill `view` from the socket; False on a clean end of stream before any byte.
 
@@ -97,7 +105,7 @@ def recv_exactly(sock: socket.socket, view: memoryview, deadline_s: float | None
     return True
 
 
-def read_header(sock: socket.socket, max_bytes: int, deadline_s: float | None = None,
+def read_header(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
                 ) -> tuple[int, int] | None:
     """The next frame's (kind, length), checked, or None at a clean end of stream."""
     header = bytearray(_HEADER.size)
@@ -112,7 +120,7 @@ def read_header(sock: socket.socket, max_bytes: int, deadline_s: float | None = 
     return kind, length
 
 
-def read_payload(sock: socket.socket, length: int, deadline_s: float | None = None,
+def read_payload(sock: Receiver, length: int, deadline_s: float | None = None,
                  ) -> memoryview:
     """A frame's payload, in a fresh uninitialised buffer, without copies:
     shard data decoded from it stays a view into it."""
@@ -122,7 +130,7 @@ def read_payload(sock: socket.socket, length: int, deadline_s: float | None = No
     return payload
 
 
-def read_frame(sock: socket.socket, max_bytes: int, deadline_s: float | None = None,
+def read_frame(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
                ) -> tuple[int, memoryview] | None:
     """The next frame (kind, payload), or None at a clean end of stream."""
     header = read_header(sock, max_bytes, deadline_s)
