@@ -75,7 +75,8 @@ class Config:
     # clients open a new one when they next send.
     stream_idle_timeout_s: float = 600.0
     # The TCP data plane (reducer_wire.framing): "auto" = the listen host on
-    # any free port (GetStatus tells clients which), HOST:PORT, or "off". Off under TLS.
+    # any free port (GetStatus tells clients which), HOST:PORT, or "off". Under
+    # TLS it is served over TLS, with the same certificate and client CA.
     data_listen: str = "auto"
     # Summing threads (reducerd.summing); 1: the event loop's thread sums inline.
     threads: int = field(default_factory=available_cpus)
@@ -102,7 +103,7 @@ class Config:
     @property
     def data_address(self) -> tuple[str, int] | None:
         """Where to serve the data plane (port 0: any free one), or None for none."""
-        if self.data_listen == "off" or (self.data_listen == "auto" and self.tls_cert):
+        if self.data_listen == "off":
             return None
         if self.data_listen == "auto":
             return parse_host_port(self.listen_address, "listen")[0], 0
@@ -124,9 +125,6 @@ class Config:
             parse_host_port(self.metrics_listen, "metrics_listen")
         if self.data_listen not in ("auto", "off"):
             parse_host_port(self.data_listen, "data_listen")
-            if self.tls_cert:
-                raise ConfigError("data_listen: the TCP data plane is not encrypted; with "
-                                  "TLS, data goes through gRPC (leave data_listen auto or off)")
         self._validate_port_offset()
         for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s",
                      "stream_idle_timeout_s"):
@@ -286,7 +284,7 @@ _HELP = {
     "threads": f"summing threads, chunks spread over them (default: the CPUs this process "
                f"may run on, {available_cpus()} here; 1 sums on the event loop's thread)",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
-                   "the default) or 'off'; off under TLS",
+                   "the default) or 'off'; over TLS under --tls-cert",
 }
 # TOML keys are the flag names without dashes ("round-timeout" or "round_timeout").
 _TOML_KEYS = {flag[2:].replace("-", "_"): name for flag, name in _FLAGS.items()}
