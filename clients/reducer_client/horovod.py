@@ -155,9 +155,10 @@ def announce_wire(client: Any, shim: str) -> None:
         if _announced or wire == "float32" or getattr(client, "rank", 0) != 0:
             return
         _announced = True
-    _log.warning("%s: allreduce travels as %s (REDUCER_WIRE_DTYPE) where Horovod sends "
-                 "uncompressed float32 unless told otherwise; compression=Compression.none "
-                 "or REDUCER_WIRE_DTYPE=float32 gives Horovod's numerics", shim, wire)
+    _log.warning("%s: the default wire dtype is %s (REDUCER_WIRE_DTYPE), where Horovod's "
+                 "default is uncompressed float32: calls without compression= travel as %s; "
+                 "compression=Compression.none (as Horovod's examples pass it) or "
+                 "REDUCER_WIRE_DTYPE=float32 gives Horovod's numerics", shim, wire, wire)
 
 
 def bind_basics(basics: Any) -> dict[str, Any]:
