@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.tls import server_context
 
 from reducerd.access import Access
+from reducerd.binding import add_port
 from reducerd.config import Config
 from reducerd.dataplane import DataPlane
 from reducerd.grpc_service import ReducerServicer
@@ -94,6 +96,7 @@ class Daemon:
         self.data_plane: DataPlane | None = None
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        self._bind_guard: socket.socket | None = None  # held while serving (binding.py)
 
     async def start(self) -> int:
         """Bind and start serving; return the bound port."""
@@ -134,9 +137,10 @@ class Daemon:
                 [(_read(cfg.tls_key), _read(cfg.tls_cert))],
                 root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
                 require_client_auth=bool(cfg.tls_client_ca))
-            self.port = server.add_secure_port(cfg.listen_address, credentials)
         else:
-            self.port = server.add_insecure_port(cfg.listen_address)
+            credentials = None
+        # Exactly the address asked for: 0.0.0.0 must not mean [::] too (reducerd.binding).
+        self.port, self._bind_guard = add_port(server, cfg.listen_address, credentials)
         await server.start()
         self._server = server
         for name in ("", SERVICE_NAME):
@@ -234,6 +238,8 @@ class Daemon:
         if self.data_plane is not None:
             self.data_plane.stop()
         await self._server.stop(grace=1.0)
+        if self._bind_guard is not None:
+            self._bind_guard.close()
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop_http)
         log.info("stopped")
