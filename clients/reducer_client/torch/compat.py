@@ -34,6 +34,7 @@ from reducer_client.steps import StepReducer
 from reducer_client.torch import functions as _functions
 from reducer_client.torch import optimizer as _optimizer
 from reducer_client.torch._basics import next_index, resolve
+from reducer_client.torch._tensors import staging_for
 
 
 class _TorchCompressor(Compressor):
@@ -202,6 +203,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         bucket_bytes=bucket_bytes,
         name=name if name is not None else f"optimizer.{next_index(base, 'optimizer')}",
         reducer=steps, overlap_forward=overlap_forward)
+    if wire is None or wire == base.wire_dtype:
+        # The client's staging, so rt.set_error_feedback(..., reducer) reaches these
+        # buckets too (an optimizer on another wire keeps its own: feedback on for 8 bits).
+        distributed._gradients.staging = staging_for(base)
     distributed.__class__ = _joinable_class(type(distributed))
     distributed._steps = steps
     holder.append(weakref.proxy(distributed))
