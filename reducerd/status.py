@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
-from reducer_wire.tls import channel_credentials
+from reducer_wire.tls import TLS_REFUSAL, channel_credentials, diagnose_handshake
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -33,6 +33,10 @@ __all__ = ["main", "top_main", "fetch_status", "reply_to_dict", "render"]
 
 class StatusError(RuntimeError):
     """The daemon could not be asked; the message says why and what to try."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _parser(prog: str, live: bool) -> argparse.ArgumentParser:
@@ -77,7 +81,9 @@ class _Client:
         # A job token reads its own job's status alone: that job unless told otherwise.
         self.job = args.job or (token_job(token) if token else None) or ""
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.tls: tuple[str | None, str | None, str | None] | None = None
         if args.tls_ca or args.tls_cert or args.tls_key:
+            self.tls = (args.tls_ca, args.tls_cert, args.tls_key)
             credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key,
                                               option="--tls-ca/--tls-cert/--tls-key")
             self.channel = grpc.secure_channel(self.address, credentials)
@@ -86,7 +92,18 @@ class _Client:
         self.stub = pb_grpc.ReducerStub(self.channel)
 
     def fetch(self) -> pb.StatusReply:
-        return fetch_status(self.stub, self.address, self.metadata, self.timeout_s, self.job)
+        try:
+            return fetch_status(self.stub, self.address, self.metadata, self.timeout_s,
+                                self.job)
+        except StatusError as exc:
+            # gRPC says "Socket closed" for a refused client certificate: one
+            # handshake of our own names the TLS reason, if that is it.
+            reason = (diagnose_handshake(self.address, *self.tls)
+                      if self.tls and exc.code == grpc.StatusCode.UNAVAILABLE else None)
+            if reason:
+                raise StatusError(f"cannot get the status of {self.address}: UNAVAILABLE: "
+                                  f"{TLS_REFUSAL}: {reason}", exc.code) from exc
+            raise
 
     def close(self) -> None:
         self.channel.close()
@@ -107,8 +124,8 @@ def fetch_status(stub: Any, address: str, metadata: tuple[tuple[str, str], ...] 
         }.get(code, "")  # type: ignore[call-overload]
         details = exc.details() if hasattr(exc, "details") else str(exc)
         name = code.name if code is not None else "ERROR"
-        raise StatusError(f"cannot get the status of {address}: {name}: {details}{hint}"
-                          ) from exc
+        raise StatusError(f"cannot get the status of {address}: {name}: {details}{hint}",
+                          code) from exc
 
 
 def reply_to_dict(reply: pb.StatusReply, address: str = "") -> dict[str, Any]:

@@ -42,7 +42,7 @@ from reducer_client.layout import (
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
-from reducer_client.tls import TLSConfig, channel_credentials, ssl_context
+from reducer_client.tls import TLSConfig, channel_credentials
 from reducer_client.transport.link import DaemonLink
 
 __all__ = ["ReducerClient"]
@@ -119,14 +119,13 @@ class ReducerClient:
         if tls is True:
             tls = TLSConfig()
         credentials = channel_credentials(tls) if tls else None
-        tls_context = ssl_context(tls) if isinstance(tls, TLSConfig) else None
         extra_options = ([("grpc.ssl_target_name_override", tls.server_name)]
                          if isinstance(tls, TLSConfig) and tls.server_name else [])
         if data_plane is None:
             data_plane = data_plane_from_env(environ)
         self._links = [DaemonLink(a, metadata, credentials, extra_options, token=token or "",
-                                  data_plane=data_plane, tls_context=tls_context,
-                                  tls_server_name=tls.server_name if tls else None)
+                                  data_plane=data_plane,
+                                  tls=tls if isinstance(tls, TLSConfig) else None)
                        for a in self.addresses]
         # _lock guards _rounds and _closed (caller threads, close()).
         self._lock = threading.Lock()

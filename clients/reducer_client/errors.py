@@ -8,6 +8,10 @@ network), or because the daemon refused the connection for capacity
 (RESOURCE_EXHAUSTED at the stream level: too many data-plane connections).
 What is still unanswered at the deadline fails with that last reason.
 
+Not retried either: a TLS refusal (UNAVAILABLE, its message starts with
+reducer_wire.tls.TLS_REFUSAL: an untrusted daemon certificate, a missing or
+refused client certificate), which the next attempt would meet again.
+
 Not retried: a chunk the daemon failed in band, whatever its code (a chunk
 over `--max-inflight-bytes` or the open-chunk limit is RESOURCE_EXHAUSTED and
 fails its operation at once, naming the limit), a message over the daemon's
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import grpc
 from reducer_wire.codes import status_code_from_value
+from reducer_wire.tls import TLS_REFUSAL
 
 __all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value", "stream_error"]
 
@@ -65,4 +70,5 @@ def stream_error(code: grpc.StatusCode, message: str) -> ReducerError:
     is gRPC's "message larger than max".
     """
     busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE not in message
-    return ReducerError(code, message, retryable=True if busy else None)
+    refused = code == grpc.StatusCode.UNAVAILABLE and TLS_REFUSAL.lower() in message.lower()
+    return ReducerError(code, message, retryable=True if busy else False if refused else None)

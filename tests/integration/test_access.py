@@ -8,6 +8,7 @@ one signed by a stranger CA.
 import datetime
 import ipaddress
 import json
+import time
 
 import grpc
 import numpy as np
@@ -221,5 +222,55 @@ def test_the_data_plane_is_offered_over_tls_and_tls_clients_use_it(tmp_path, pki
         if mutual:  # no client certificate: refused on the data plane as on gRPC
             with pytest.raises(ReducerError):
                 _allreduce(d.address, tls=TLSConfig(ca_file=pki["ca"]), data_plane="tcp")
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("case", ["wrong-ca", "no-client-cert", "stranger-client-cert"])
+def test_a_certificate_refusal_is_named_within_two_seconds(tmp_path, pki, case):
+    """Not UNAVAILABLE after the whole client timeout (20 s here), and not
+    "Socket closed": the client names the TLS reason at its first contact,
+    and does not retry what would fail the same way."""
+    key, cert = pki["server"]
+    d = start_daemon("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                     log_dir=tmp_path)
+    client_key, client_cert = pki["client"]
+    stranger_key, stranger_cert = pki["impostor"]
+    tls, expected = {
+        "wrong-ca": (TLSConfig(ca_file=pki["stranger"], cert_file=client_cert,
+                               key_file=client_key), "certificate is not trusted"),
+        "no-client-cert": (TLSConfig(ca_file=pki["ca"]), "wants a client certificate"),
+        "stranger-client-cert": (TLSConfig(ca_file=pki["ca"], cert_file=stranger_cert,
+                                           key_file=stranger_key),
+                                 "refused this client's certificate"),
+    }[case]
+    try:
+        for data_plane in ("auto", "tcp", "grpc"):
+            start = time.monotonic()
+            with pytest.raises(ReducerError) as info:
+                with ReducerClient([d.address], job="tls", rank=0, world_size=1, timeout=20,
+                                   tls=tls, data_plane=data_plane) as client:
+                    client.allreduce(np.arange(4, dtype=np.float32), key="k")
+            assert time.monotonic() - start < 2.0, (data_plane, str(info.value))
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE and not info.value.retryable
+            assert "TLS handshake failed" in str(info.value), str(info.value)
+            assert expected in str(info.value) and d.address in str(info.value)
+    finally:
+        d.stop()
+
+
+def test_status_names_a_missing_client_certificate(tmp_path, pki, capsys):
+    from reducerd import status
+
+    key, cert = pki["server"]
+    d = start_daemon("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],
+                     log_dir=tmp_path)
+    try:
+        start = time.monotonic()
+        assert status.main(["--address", d.address, "--json", "--sample", "0",
+                            "--tls-ca", pki["ca"]]) == 1
+        assert time.monotonic() - start < 3
+        err = capsys.readouterr().err
+        assert "TLS handshake failed" in err and "wants a client certificate" in err
     finally:
         d.stop()

@@ -10,12 +10,13 @@ that) so one bad chunk does not end the stream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import ShardView, decode_shard
+from reducer_wire.tls import TLS_REFUSAL
 
 from reducer_client.transport.base import (
     HEADROOM,
@@ -55,8 +56,11 @@ class GrpcTransport(Transport, Control):
 
     def __init__(self, address: str, metadata: Sequence[tuple[str, str]] = (),
                  credentials: grpc.ChannelCredentials | None = None,
-                 extra_options: Sequence[tuple[str, Any]] = ()) -> None:
+                 extra_options: Sequence[tuple[str, Any]] = (),
+                 tls_probe: Callable[[], str | None] | None = None) -> None:
         self.address = address
+        # Under TLS: why a handshake fails, in words (reducer_wire.tls.diagnose_handshake).
+        self._tls_probe = tls_probe
         options = [*_CHANNEL_OPTIONS, *extra_options]
         self._channel = (grpc.secure_channel(address, credentials, options) if credentials
                          else grpc.insecure_channel(address, options))
@@ -74,7 +78,7 @@ class GrpcTransport(Transport, Control):
             reply = self._status(pb.StatusRequest(brief=True), metadata=self._auth_metadata,
                                  timeout=_STATUS_TIMEOUT_S)
         except grpc.RpcError as exc:
-            raise TransportError(exc.code(), exc.details() or "GetStatus failed") from None
+            raise TransportError(exc.code(), self._reason(exc) or "GetStatus failed") from None
         return DaemonInfo(data_port=reply.data_port,
                           round_timeout_s=reply.round_timeout_s or None)
 
@@ -83,6 +87,18 @@ class GrpcTransport(Transport, Control):
         # No wait_for_ready: a daemon that is down or refuses the handshake
         # fails the call at once with gRPC's reason, which the link retries.
         return self._replies(self._reduce(requests, metadata=self._stream_metadata))
+
+    def _reason(self, exc: grpc.RpcError) -> str:
+        """gRPC's details, or where TLS refused the connection, why in words
+        (gRPC says "Socket closed" for a refused client certificate)."""
+        details = exc.details() or ""
+        lowered = details.lower()
+        if (self._tls_probe is not None and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and any(word in lowered for word in ("handshake", "socket closed", "ssl"))):
+            reason = self._tls_probe()
+            if reason:
+                return f"{TLS_REFUSAL}: {reason} (gRPC: {details})"
+        return details
 
     @staticmethod
     def _replies(call: Iterable[ShardView]) -> Iterator[ShardView]:

@@ -11,7 +11,7 @@ round timeout) and the transports tried in order at each stream. By default
 the real ones: data_plane "auto" is [TCP data plane, gRPC] (the data plane is
 much cheaper, gRPC takes over where the daemon offers none or it cannot be
 reached, or refused it for capacity), "tcp" or "grpc" insist on one; with TLS
-the data plane runs over TLS too (tls_context). Tests inject the in-process
+the data plane runs over TLS too (tls). Tests inject the in-process
 fake (fake.py).
 
 Recovery: when the stream breaks with a retryable status (errors.py: the
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,9 +36,11 @@ from typing import Any, NamedTuple
 
 import grpc
 from reducer_wire.codec import ShardView
+from reducer_wire.tls import diagnose_handshake
 
 from reducer_client.env import DATA_PLANES
 from reducer_client.errors import ReducerError, status_code_from_value, stream_error
+from reducer_client.tls import TLSConfig, ssl_context
 from reducer_client.transport.base import Control, NotOffered, Transport, TransportError
 from reducer_client.transport.grpc import MAX_MESSAGE_BYTES, GrpcTransport
 from reducer_client.transport.history import Message, SendHistory, Slot
@@ -68,16 +69,20 @@ class _Pending(NamedTuple):
 def real_transports(address: str, metadata: Sequence[tuple[str, str]] = (),
                     credentials: grpc.ChannelCredentials | None = None,
                     extra_options: Sequence[tuple[str, Any]] = (), token: str = "",
-                    data_plane: str = "auto", tls_context: ssl.SSLContext | None = None,
-                    tls_server_name: str | None = None) -> tuple[Control, list[Transport]]:
+                    data_plane: str = "auto", tls: TLSConfig | None = None,
+                    ) -> tuple[Control, list[Transport]]:
     """The daemon's gRPC service (also the Control) and, unless data_plane is
-    "grpc" (or gRPC has TLS but no tls_context came for the data plane), its
-    TCP data plane first, with TLS when tls_context is given."""
-    service = GrpcTransport(address, metadata, credentials, extra_options)
-    if credentials is not None and tls_context is None:
+    "grpc" (or gRPC has credentials but no `tls` came for the data plane), its
+    TCP data plane first, over TLS with `tls`."""
+    probe = (None if tls is None else
+             lambda: diagnose_handshake(address, tls.ca_file, tls.cert_file, tls.key_file,
+                                        tls.server_name))
+    service = GrpcTransport(address, metadata, credentials, extra_options, tls_probe=probe)
+    if credentials is not None and tls is None:
         return service, [service]
     tcp = TcpTransport(address.rpartition(":")[0].strip("[]"), token, MAX_MESSAGE_BYTES,
-                       tls_context=tls_context, server_hostname=tls_server_name)
+                       tls_context=ssl_context(tls) if tls is not None else None,
+                       server_hostname=tls.server_name if tls is not None else None)
     chains: dict[str, list[Transport]] = {"auto": [tcp, service], "tcp": [tcp],
                                           "grpc": [service]}
     return service, chains[data_plane]
@@ -90,17 +95,15 @@ class DaemonLink:
                  credentials: grpc.ChannelCredentials | None = None,
                  extra_options: Sequence[tuple[str, Any]] = (), *, token: str = "",
                  data_plane: str = "auto", transports: Sequence[Transport] | None = None,
-                 control: Control | None = None, tls_context: ssl.SSLContext | None = None,
-                 tls_server_name: str | None = None) -> None:
+                 control: Control | None = None, tls: TLSConfig | None = None) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
-        if credentials is not None and tls_context is None and data_plane == "tcp":
-            raise ValueError("data_plane='tcp' with TLS needs tls_context (the data plane's "
-                             "TLS): use 'auto' or 'grpc', or give it")
+        if credentials is not None and tls is None and data_plane == "tcp":
+            raise ValueError("data_plane='tcp' with TLS needs tls (the TLSConfig, for the "
+                             "data plane's TLS): use 'auto' or 'grpc', or give it")
         if transports is None:
             control, transports = real_transports(address, metadata, credentials,
-                                                  extra_options, token, data_plane,
-                                                  tls_context, tls_server_name)
+                                                  extra_options, token, data_plane, tls)
         if control is None or not transports:
             raise ValueError("give a control and at least one transport, or neither")
         self.address = address

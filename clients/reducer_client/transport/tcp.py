@@ -48,7 +48,7 @@ from reducer_wire.framing import (
     shutdown_quietly,
     tune_socket,
 )
-from reducer_wire.tls import TlsChannel
+from reducer_wire.tls import TLS_REFUSAL, TlsChannel
 
 from reducer_client.transport.base import (
     HEADROOM,
@@ -105,7 +105,7 @@ class TcpTransport(Transport):
         try:
             stream.connect()
         except OSError as exc:  # ssl.SSLError is one: a TLS handshake that failed
-            what = "TLS handshake with" if isinstance(exc, ssl.SSLError) else "cannot connect to"
+            what = f"{TLS_REFUSAL} with" if isinstance(exc, ssl.SSLError) else "cannot connect to"
             raise NotOffered(grpc.StatusCode.UNAVAILABLE,
                              f"{what} data port {port}: {exc}") from None
         self._streams.add(stream)
@@ -210,6 +210,10 @@ class TcpStream:
                     if length and not recv_exactly(io, body):
                         raise TruncatedFrame(f"connection ended inside a frame (0 of "
                                              f"{length} bytes)")
+                except ssl.SSLError as exc:  # before any reply: our certificate refused
+                    what = "connection broke (TLS: " if replied else f"{TLS_REFUSAL} ("
+                    raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                                         f"{where}: {what}{exc.reason or exc})") from None
                 except (OSError, TruncatedFrame) as exc:  # the daemon went away
                     raise TransportError(grpc.StatusCode.UNAVAILABLE,
                                          f"{where}: connection broke ({exc})") from None

@@ -30,7 +30,10 @@ from pathlib import Path
 import grpc
 
 __all__ = ["check_tls_files", "channel_credentials", "read_pem", "client_context",
-           "server_context", "TlsChannel"]
+           "server_context", "TlsChannel", "diagnose_handshake", "TLS_REFUSAL"]
+
+# Starts every message of a TLS refusal (a client's errors say so; not worth a retry).
+TLS_REFUSAL = "TLS handshake failed"
 
 # Encrypted bytes taken from the socket per call, and plaintext per TLS write.
 _RAW_RECV_BYTES = 256 << 10
@@ -86,6 +89,52 @@ def server_context(cert_file: str, key_file: str, client_ca_file: str | None = N
         context.load_verify_locations(cafile=client_ca_file)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def diagnose_handshake(address: str, ca_file: str | None = None, cert_file: str | None = None,
+                       key_file: str | None = None, server_name: str | None = None,
+                       timeout_s: float = 2.0) -> str | None:
+    """Why a TLS connection to the gRPC daemon at HOST:PORT fails, in words
+    (what to fix), or None when it does not fail for a TLS reason.
+
+    gRPC reports a refused client certificate as "Socket closed"; this one
+    handshake, made the way gRPC makes it (ALPN h2), tells the cases apart:
+    the daemon's certificate not trusted, the daemon closing right after the
+    handshake (it wants a client certificate signed by its client CA), or the
+    daemon answering (not TLS, then).
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        context = client_context(ca_file, cert_file, key_file)
+        context.set_alpn_protocols(["h2"])
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return None  # unreachable or unreadable files: not the handshake's doing
+    with sock:
+        try:
+            with context.wrap_socket(sock, server_hostname=server_name or host) as tls:
+                tls.settimeout(timeout_s)
+                answer = tls.recv(1)  # an HTTP/2 server speaks first (SETTINGS)
+        except ssl.SSLCertVerificationError as exc:
+            return (f"the daemon's certificate is not trusted ({exc.verify_message}): "
+                    f"is {ca_file or 'the system CA bundle'} the CA that signed it, and does "
+                    f"it name {server_name or host}?")
+        except ssl.SSLError as exc:
+            return _refused_certificate(cert_file, exc.reason or str(exc))
+        except OSError:
+            return None
+    if answer:
+        return None
+    return _refused_certificate(cert_file, "it closed the connection after the handshake")
+
+
+def _refused_certificate(cert_file: str | None, detail: str) -> str:
+    if cert_file is None:
+        return (f"the daemon wants a client certificate (mutual TLS) and this client gave "
+                f"none ({detail}): give cert_file and key_file signed by its client CA")
+    return (f"the daemon refused this client's certificate {cert_file} ({detail}): it "
+            f"must be signed by the daemon's client CA (--tls-client-ca)")
 
 
 class TlsChannel:
