@@ -41,7 +41,7 @@ from reducer_client.compression import allreduce_async_on_wire
 from reducer_client.errors import ReducerError
 
 __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW",
-           "control_async", "allreduce_async", "broadcast_async", "allgather_async",
+           "control_async", "own_rows", "allreduce_async", "broadcast_async", "allgather_async",
            "check", "active_count", "join", "register_shadow", "FLOAT_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
@@ -227,6 +227,11 @@ def _control(reducer: Reducer, row: np.ndarray) -> Future[np.ndarray]:
     slots = np.zeros((reducer.world_size, ROW), np.float32)
     slots[reducer.rank] = row
     return allreduce_async_on_wire(reducer, slots, CONTROL_KEY, "sum", "float32")
+
+
+def own_rows(call: Call) -> np.ndarray:
+    """The control rows of a one-rank job making `call` (what its round would return)."""
+    return _row(call).reshape(1, ROW)
 
 
 def control_async(reducer: Reducer, call: Call) -> Future[np.ndarray]:

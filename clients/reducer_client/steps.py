@@ -63,6 +63,9 @@ class StepReducer(CompressedReducer):
                 return
             self._begun = True
         placeholder = self._placeholder()
+        if self._reducer.world_size == 1:  # nobody to join: no round to send
+            placeholder.set_result(coll.own_rows(self._call()))
+            return
         control = coll.control_async(self._reducer, self._call())
 
         def settle(done: Future) -> None:
