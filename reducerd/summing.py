@@ -20,9 +20,10 @@ call_soon_threadsafe), which never blocks.
 from __future__ import annotations
 
 import logging
+import queue
+import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,13 @@ log = logging.getLogger("reducerd")
 # every thread busy between the loop's hand-offs and small beside
 # --max-inflight-bytes, which counts them (MemoryBudget, as transport bytes).
 QUEUED_BYTES_PER_THREAD = 8 << 20
+# The GIL's switch interval while summing threads run. A summing thread back
+# from a kernel needs the GIL for a few microseconds to take its next task;
+# under the default 5 ms a thread busy in Python (the loop, the data plane's
+# readers) can keep it waiting that long each time, its core idle (measured:
+# twice the wall time for the same sums). Forced switches every 0.5 ms cost
+# a few microseconds each.
+SWITCH_INTERVAL_S = 0.0005
 _STOP = object()
 
 Post = Callable[..., Any]
@@ -47,13 +55,11 @@ class PoolClosed(RuntimeError):
 
 
 class _Partition:
-    """One summing thread's FIFO. `cond` guards `items`; taken by the loop
-    thread (append) and the partition's thread (pop)."""
+    """One summing thread's FIFO (a C queue: put and get cost no Python lock)."""
 
     def __init__(self) -> None:
-        self.items: deque[Any] = deque()
-        self.cond = threading.Condition()
-        self.queued_bytes = 0  # read without the lock by pick_partition (a hint)
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.queued_bytes = 0  # guarded by the pool's _lock; read unlocked as a hint
 
 
 class SummingPool:
@@ -66,10 +72,14 @@ class SummingPool:
         self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
                                      else threads * QUEUED_BYTES_PER_THREAD)
         self._parts = [_Partition() for _ in range(threads)]
-        # _room guards _queued_bytes, _pending and _closed; taken by the loop
-        # thread (submit, close) and by every summing thread after each task,
-        # never while a task runs.
-        self._room = threading.Condition()
+        # _lock guards the counts (_queued_bytes, _pending, each partition's
+        # queued_bytes), _closed and _waiters; taken by the loop thread in
+        # submit and by each summing thread after a task, never while a task
+        # runs. _changed (on _lock) wakes a submit waiting for room or a
+        # wait_idle, and only those: the hot path notifies nobody.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._waiters = 0
         self._queued_bytes = 0
         self._pending = 0  # tasks queued or running
         self._closed = False
@@ -84,6 +94,7 @@ class SummingPool:
         if self._workers:
             raise RuntimeError("summing pool already started")
         self._post = post
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         for index, part in enumerate(self._parts):
             worker = threading.Thread(target=self._run, args=(index, part), daemon=True,
                                       name=f"reducerd-sum-{index}")
@@ -108,21 +119,25 @@ class SummingPool:
     def submit(self, partition: int, task: Callable[..., None], *args: Any,
                nbytes: int = 0) -> None:
         """Queue task(scratch, *args) behind `partition`'s earlier tasks. Waits
-        while more than queued_bytes_at_most of input is queued; raises
-        PoolClosed once the pool is closed."""
-        with self._room:
-            while (not self._closed and self._queued_bytes
-                   and self._queued_bytes + nbytes > self.queued_bytes_at_most):
-                self._room.wait()
+        while more than queued_bytes_at_most of input is queued (until half of
+        it is left); raises PoolClosed once the pool is closed."""
+        part = self._parts[partition]
+        with self._lock:
+            if (self._queued_bytes and not self._closed
+                    and self._queued_bytes + nbytes > self.queued_bytes_at_most):
+                self._waiters += 1
+                try:  # the summing threads run on meanwhile: they never wait for us
+                    while (self._queued_bytes > self.queued_bytes_at_most // 2
+                           and not self._closed):
+                        self._changed.wait()
+                finally:
+                    self._waiters -= 1
             if self._closed:
                 raise PoolClosed("the summing pool is closed (the daemon is stopping)")
             self._queued_bytes += nbytes
             self._pending += 1
-        part = self._parts[partition]
-        with part.cond:
             part.queued_bytes += nbytes
-            part.items.append((task, args, nbytes))
-            part.cond.notify()
+        part.items.put((task, args, nbytes))
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop thread (from a summing thread); dropped
@@ -144,26 +159,28 @@ class SummingPool:
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no task is queued or running; False after `timeout_s`."""
-        with self._room:
-            return self._room.wait_for(lambda: self._pending == 0, timeout_s)
+        with self._lock:
+            self._waiters += 1
+            try:
+                return self._changed.wait_for(lambda: self._pending == 0, timeout_s)
+            finally:
+                self._waiters -= 1
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Refuse new tasks, run every queued one, stop the threads; False if
         some thread was still busy after `timeout_s` (it stays a daemon thread)."""
-        with self._room:
-            if self._closed:
-                return not any(w.is_alive() for w in self._workers)
+        with self._lock:
+            already = self._closed
             self._closed = True
-            self._room.notify_all()  # a submit waiting for room gives up
-        for part in self._parts:
-            with part.cond:
-                part.items.append(_STOP)  # behind the queued tasks: they run first
-                part.cond.notify()
+            self._changed.notify_all()  # a submit waiting for room gives up
+        if not already:
+            for part in self._parts:
+                part.items.put(_STOP)  # behind the queued tasks: they run first
         deadline = time.monotonic() + timeout_s
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         stuck = [w.name for w in self._workers if w.is_alive()]
-        if stuck:
+        if stuck and not already:
             log.error("summing threads %s still busy %g s after the pool closed",
                       ", ".join(stuck), timeout_s)
         return not stuck
@@ -173,10 +190,7 @@ class SummingPool:
     def _run(self, index: int, part: _Partition) -> None:
         scratch = WideningBuffer()  # this thread's own (NumPy's widening, no C kernels)
         while True:
-            with part.cond:
-                while not part.items:
-                    part.cond.wait()
-                item = part.items.popleft()
+            item = part.items.get()  # blocks with the GIL released
             if item is _STOP:
                 return
             task, args, nbytes = item
@@ -185,9 +199,9 @@ class SummingPool:
             except Exception:  # tasks answer their own faults; this one is a bug
                 log.exception("reducerd fault in summing thread %d (task %r)", index, task)
             finally:
-                with part.cond:
+                with self._lock:
                     part.queued_bytes -= nbytes
-                with self._room:
                     self._queued_bytes -= nbytes
                     self._pending -= 1
-                    self._room.notify_all()
+                    if self._waiters:
+                        self._changed.notify_all()
