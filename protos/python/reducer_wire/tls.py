@@ -183,18 +183,25 @@ class TlsChannel:
         passes with nothing (as a plain socket's recv_into)."""
         wanted = nbytes or len(view)
         while True:
+            got, ended = 0, False
             with self._lock:
-                try:
-                    # With a buffer, read() returns a count (typeshed says bytes).
-                    got: int | None = self._tls.read(wanted, view)  # type: ignore[assignment]
-                except ssl.SSLWantReadError:
-                    got = None
-                except ssl.SSLZeroReturnError:  # the peer's close_notify
-                    got = 0
+                # As many records as are in: one read() returns one record at most.
+                while got < wanted:
+                    try:
+                        # With a buffer, read() returns a count (typeshed says bytes).
+                        n: int = self._tls.read(wanted - got, view[got:])  # type: ignore
+                    except ssl.SSLWantReadError:
+                        break
+                    except ssl.SSLZeroReturnError:  # the peer's close_notify
+                        ended = True
+                        break
+                    if not n:
+                        break
+                    got += n
                 pending = self._outgoing.pending
             if pending:  # e.g. a TLS 1.3 key update to answer
                 self._flush()
-            if got is not None:
+            if got or ended:
                 return got
             if not self._pull(None):
                 return 0
