@@ -5,10 +5,13 @@ ranks, each chunk holding W - 1 contributions (one element each, so only the
 bookkeeping counts) from W distinct streams, then
 
 - contribute: seconds per contribution while filling the chunks;
-- open_chunks(): one call, as GetStatus and every metrics scrape make it
-  (it builds each open chunk's missing-rank set);
+- open_chunks(): one call listing every open chunk with its missing ranks
+  (at most 64 named each); GetStatus lists at most 100 stalled ones
+  (open_chunks(stalled_after, 100)) and a metrics scrape only counts them
+  (stalled_count), both timed too;
 - drop_sink: all W streams ending while the K chunks are open (a job that
-  dies mid-round), each call scanning every open chunk's sink list.
+  dies mid-round), each given the chunks it waits for (Stream.waiting), as
+  Session.close_stream does.
 
 Per-contribution costs that stay flat as W grows are fine; totals that grow
 with W x W x K are what a daemon with hundreds of contributors must avoid.
@@ -25,6 +28,7 @@ import time
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
+from reducerd.grpc_service import STALLED_LISTED_AT_MOST
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 
 
@@ -35,6 +39,7 @@ class _Sink:
 def measure(contributors: int, chunks: int) -> dict[str, float]:
     table = ReductionTable(round_timeout_s=600.0, max_inflight_bytes=1 << 34)
     sinks = [_Sink() for _ in range(contributors)]
+    waiting: list[set[ChunkId]] = [set() for _ in range(contributors)]
     one = np.ones(1, np.float16).tobytes()
     started = time.perf_counter()
     for chunk in range(chunks):
@@ -42,16 +47,24 @@ def measure(contributors: int, chunks: int) -> dict[str, float]:
         for rank in range(contributors - 1):  # the last rank never comes: chunks stay open
             table.contribute(cid, Contribution(rank, contributors, pb.DTYPE_FLOAT16,
                                                pb.REDUCE_OP_SUM, one), sinks[rank])
+            waiting[rank].add(cid)
     contribute_s = time.perf_counter() - started
     started = time.perf_counter()
     table.open_chunks()
     open_chunks_s = time.perf_counter() - started
     started = time.perf_counter()
-    for sink in sinks:
-        table.drop_sink(sink)
+    table.open_chunks(0.0, STALLED_LISTED_AT_MOST)
+    status_s = time.perf_counter() - started
+    started = time.perf_counter()
+    table.stalled_count(0.0)
+    scrape_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for sink, chunks_waited in zip(sinks, waiting, strict=True):
+        table.drop_sink(sink, chunks_waited)
     drop_s = time.perf_counter() - started
     return {"contribute_us_each": contribute_s / (chunks * (contributors - 1)) * 1e6,
-            "open_chunks_ms": open_chunks_s * 1e3, "drop_all_sinks_ms": drop_s * 1e3}
+            "open_chunks_ms": open_chunks_s * 1e3, "status_ms": status_s * 1e3,
+            "scrape_ms": scrape_s * 1e3, "drop_all_sinks_ms": drop_s * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", default="256,1024")
     args = parser.parse_args(argv)
     print("| contributors W | open chunks K | contribute us each | open_chunks() ms | "
+          "GetStatus rows ms | scrape count ms | "
           "drop_sink x W ms |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for chunks in (int(k) for k in args.chunks.split(",")):
         for contributors in (int(w) for w in args.contributors.split(",")):
             r = measure(contributors, chunks)
             print(f"| {contributors} | {chunks} | {r['contribute_us_each']:.2f} | "
-                  f"{r['open_chunks_ms']:.1f} | {r['drop_all_sinks_ms']:.1f} |")
+                  f"{r['open_chunks_ms']:.1f} | {r['status_ms']:.2f} | {r['scrape_ms']:.2f} | "
+                  f"{r['drop_all_sinks_ms']:.1f} |")
     return 0
 
 
