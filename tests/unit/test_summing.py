@@ -1,4 +1,4 @@
-"""The summing pool (--threads N): partitions, their FIFO order, bounds, faults, shutdown.
+"""The summing pool (--threads N): partitions, their FIFO order, bounds, faults, shutdown, the option.
 
 The pool alone first (reducerd.summing), then the reduction table on it
 (reducerd.chunk_sums): the same sums as the inline path, bit for bit; a
@@ -10,10 +10,15 @@ Posts to the loop thread are collected here and run on the test's thread.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
+import tomllib
 
 import numpy as np
 import pytest
@@ -21,6 +26,7 @@ from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import chunk_sums
+from reducerd.config import ConfigError, add_arguments, config_from_args
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing import PoolClosed, SummingPool
 
@@ -290,3 +296,28 @@ def test_fail_all_with_a_finish_queued_delivers_only_the_failure(loop_and_pool, 
     loop.run(pool)
     assert delivered == [] and table.bytes_held == 0
     assert pool.close(WAIT_S)
+
+
+# -- the option ------------------------------------------------------------------
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)), environ={})
+
+
+def test_threads_default_to_the_cpus_the_process_may_run_on(tmp_path):
+    assert parse().threads == len(os.sched_getaffinity(0))
+    assert parse("--threads", "3").threads == 3
+    toml = tmp_path / "r.toml"
+    toml.write_text("threads = 5\n")
+    assert parse("--config", str(toml)).threads == 5
+    with pytest.raises(ConfigError, match="threads: must be between 1 and 1024, got 0"):
+        parse("--threads", "0")
+    # Pinned to one CPU (as reducerd@N.service is): one thread, the inline path.
+    one_cpu = min(os.sched_getaffinity(0))
+    done = subprocess.run([sys.executable, "-m", "reducerd", "--print-config"],
+                          capture_output=True, text=True, timeout=30, check=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}))
+    assert tomllib.loads(done.stdout)["threads"] == 1
