@@ -1,4 +1,4 @@
-"""The summing pool (--threads N): partitions, their FIFO order, bounds, faults, shutdown, the option.
+"""The summing pool (--threads N): partitions, FIFO order, bounds, faults, shutdown, option.
 
 The pool alone first (reducerd.summing), then the reduction table on it
 (reducerd.chunk_sums): the same sums as the inline path, bit for bit; a
