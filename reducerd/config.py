@@ -48,6 +48,8 @@ class ConfigError(ValueError):
 class Config:
     listen: str = DEFAULT_LISTEN
     metrics_listen: str | None = None
+    # One line USER:PASSWORD: /metrics then wants HTTP basic auth with them.
+    metrics_auth_file: str | None = None
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -149,7 +151,10 @@ class Config:
         if self.metrics_max_jobs < 0:
             raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
         self._validate_credential()
-        for name in ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca"):
+        if self.metrics_auth_file and not self.metrics_listen:
+            raise ConfigError("metrics_auth_file: needs metrics_listen")
+        for name in ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca",
+                     "metrics_auth_file"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
@@ -239,6 +244,7 @@ def parse_host_port(address: str, option: str) -> tuple[str, int]:
 _FLAGS = {
     "--listen": "listen",
     "--metrics-listen": "metrics_listen",
+    "--metrics-auth-file": "metrics_auth_file",
     "--auth-token-file": "auth_token_file",
     "--tls-cert": "tls_cert",
     "--tls-key": "tls_key",
@@ -260,7 +266,10 @@ _FLAGS = {
 }
 _HELP = {
     "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
-    "metrics_listen": "serve Prometheus metrics over HTTP here (port 0: any free one)",
+    "metrics_listen": "serve Prometheus metrics over HTTP here (port 0: any free one; "
+                      "HTTPS under --tls-cert)",
+    "metrics_auth_file": "file of one line USER:PASSWORD that /metrics asks for "
+                         "(HTTP basic auth)",
     "auth_token_file": "file holding the bearer token every call must carry",
     "tls_cert": "server certificate (PEM), with --tls-key",
     "tls_key": "server private key (PEM)",

@@ -25,7 +25,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import logging
-import threading
+import ssl
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-from prometheus_client.exposition import start_http_server
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -257,26 +256,28 @@ class Metrics:
     # -- HTTP endpoint -------------------------------------------------------
 
     def start_http(self, address: str, loop: asyncio.AbstractEventLoop | None = None,
-                   ) -> tuple[str, int]:
-        """Serve /metrics on HOST:PORT (port 0: any free one); return the bound address."""
+                   ssl_context: ssl.SSLContext | None = None,
+                   basic_auth: tuple[str, str] | None = None) -> tuple[str, int]:
+        """Serve /metrics on HOST:PORT (port 0: any free one), over TLS with
+        `ssl_context`, behind basic auth with `basic_auth` (reducerd.metrics_http);
+        return the bound address."""
+        from reducerd.metrics_http import MetricsServer
+
         host, port = parse_host_port(address, "metrics_listen")
         self._loop = loop
         try:
-            self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._httpd = MetricsServer(self.registry, host, port, ssl_context, basic_auth)
         except OSError as exc:
             raise RuntimeError(f"metrics_listen {address}: {exc.strerror or exc}") from exc
-        bound_port = self._httpd.server_port
-        log.info("metrics on http://%s:%d/metrics", _url_host(host), bound_port)
-        return host, bound_port
+        log.info("metrics on %s://%s:%d/metrics%s", self._httpd.scheme, _url_host(host),
+                 self._httpd.port, " (basic auth)" if basic_auth else "")
+        return host, self._httpd.port
 
     def stop_http(self) -> None:
-        """Stop the HTTP endpoint (blocks up to half a second for its thread)."""
+        """Stop the HTTP endpoint (blocks up to two seconds for its thread)."""
         httpd, self._httpd = self._httpd, None
         if httpd is not None:
-            stopper = threading.Thread(target=httpd.shutdown, daemon=True)
-            stopper.start()
-            stopper.join(timeout=2.0)
-            httpd.server_close()
+            httpd.stop()
 
 
 def _labelled(kind: Callable[..., Any], name: str, doc: str, labels: list[str],

@@ -157,26 +157,37 @@ class Daemon:
         if address is None:
             return
         cfg = self.config
-        tls_context = None
-        if cfg.tls_cert and cfg.tls_key:
-            try:
-                tls_context = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-            except (ssl.SSLError, OSError) as exc:
-                raise RuntimeError(f"tls_cert / tls_key / tls_client_ca: cannot load them "
-                                   f"for the data plane: {exc}") from None
         self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), Access(token),
                                     cfg.max_message_bytes, send_timeout_s=cfg.round_timeout_s,
-                                    tls_context=tls_context)
+                                    tls_context=self._tls_context("the data plane"))
         self.servicer.data_port = self.data_plane.start(*address)
+
+    def _tls_context(self, what: str) -> ssl.SSLContext | None:
+        """The daemon's certificate (and client CA) for TLS beside gRPC's, or None."""
+        cfg = self.config
+        if not (cfg.tls_cert and cfg.tls_key):
+            return None
+        try:
+            return server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise RuntimeError(f"tls_cert / tls_key / tls_client_ca: cannot load them for "
+                               f"{what}: {exc}") from None
 
     def _start_metrics(self, address: str) -> None:
         from reducerd.metrics import Metrics  # prometheus-client only when asked for
+        from reducerd.metrics_http import read_basic_auth
 
         cfg = self.config
+        try:
+            auth = read_basic_auth(cfg.metrics_auth_file) if cfg.metrics_auth_file else None
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(str(exc)) from None
         self.metrics = Metrics(self.table, self.session, max_jobs=cfg.metrics_max_jobs,
                                stalled_after_s=cfg.stalled_after_s)
         self.session.observer = self.metrics
-        self.metrics.start_http(address, asyncio.get_running_loop())
+        self.metrics.start_http(address, asyncio.get_running_loop(),
+                                ssl_context=self._tls_context("the metrics endpoint"),
+                                basic_auth=auth)
 
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
         """Start, serve until stop() (or a signal), then drain and stop."""

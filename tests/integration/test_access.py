@@ -1,12 +1,10 @@
 """Access control with real daemons: TLS, mutual TLS and tokens.
 
-Certificates are made by the test with the cryptography package: a CA, a
-server certificate for 127.0.0.1, a client certificate signed by the CA and
-one signed by a stranger CA.
+Certificates are made by the test with the cryptography package
+(tests/helpers/pki.py): a CA, a server certificate for 127.0.0.1, a client
+certificate signed by the CA and one signed by a stranger CA.
 """
 
-import datetime
-import ipaddress
 import json
 import time
 
@@ -17,57 +15,13 @@ from reducer_client import ReducerClient, ReducerError
 from reducer_client.tls import TLSConfig
 from support import start_daemon
 
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
-
-
-def _name(common_name):
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _certificate(subject, key, issuer, issuer_key, is_ca=False, ip=None):
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject))
-               .issuer_name(_name(issuer)).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(hours=1))
-               .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None),
-                              critical=True))
-    if ip:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
-            critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path, key=None, cert=None):
-    if key is not None:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    else:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(path)
+pytest.importorskip("cryptography")
+from pki import make_pki  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    files = {}
-    for ca in ("ca", "stranger"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = _certificate(ca, key, ca, key, is_ca=True)
-        files[ca] = (key, cert, _write(d / f"{ca}.pem", cert=cert))
-    for name, issuer, ip in (("server", "ca", "127.0.0.1"), ("client", "ca", None),
-                             ("impostor", "stranger", None)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        issuer_key, issuer_cert, _ = files[issuer]
-        cert = _certificate(name, key, issuer, issuer_key, ip=ip)
-        files[name] = (_write(d / f"{name}.key", key=key), _write(d / f"{name}.pem", cert=cert))
-    return {k: v[2] if k in ("ca", "stranger") else v for k, v in files.items()}
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _allreduce(address, **options):
