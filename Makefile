@@ -13,7 +13,8 @@ BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-mxnet build test test-main test-mxnet test-deploy demo proto lint clean
+.PHONY: all venv venv-mxnet build test test-main test-mxnet test-deploy test-adversarial demo proto lint \
+	clean
 
 all: test
 
@@ -51,6 +52,11 @@ test-main: $(BUILT)
 # REDUCER_SKIP_DEPLOY_TESTS=systemd,docker skips a part by name.
 test-deploy: $(BUILT)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/deploy
+
+# Issue 16's probes at the sizes of its table (test-main runs them short):
+# tests/adversarial/README.md lists each probe and its bound.
+test-adversarial: $(BUILT)
+	REDUCER_ADVERSARIAL=long $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/adversarial
 
 # The core runs under numpy 1.23 here as well as numpy 2 in .venv.
 test-mxnet: $(BUILT_MX)
