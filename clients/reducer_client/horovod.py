@@ -166,6 +166,10 @@ def bind_basics(basics: Any) -> dict[str, Any]:
     announces the wire), cross_rank, cross_size, is_homogeneous."""
     def init(reducer: Reducer | None = None, **client_kwargs: Any) -> Reducer:
         client = basics.init(reducer, **client_kwargs)
+        if reducer is None:  # elastic resets rebuild the client from these
+            from reducer_client.elastic.run import record_settings
+
+            record_settings(basics.shim, client_kwargs)
         announce_wire(client, basics.shim)
         return client
     init.__doc__ = basics.init.__doc__

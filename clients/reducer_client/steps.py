@@ -31,15 +31,19 @@ __all__ = ["StepReducer"]
 class StepReducer(CompressedReducer):
     """A CompressedReducer whose allreduces belong to optimizer steps (see module doc).
 
+    base: a Reducer, or a function returning one (the process-wide client,
+    looked up at each step, so that an elastic reset's new client counts).
     shadow: what this rank runs for a step while joined (reduce zeros into
     every bucket); called with begin/end handled here.
     """
 
-    def __init__(self, base: Reducer, wire_dtype: str | None, predivide_factor: float,
-                 op: str, shadow: Callable[[], None]) -> None:
+    def __init__(self, base: Reducer | Callable[[], Reducer], wire_dtype: str | None,
+                 predivide_factor: float, op: str, shadow: Callable[[], None]) -> None:
         super().__init__(base, wire_dtype, predivide_factor)
-        self._reducer, self._op, self._shadow_fn = base, op, shadow
-        self.tag = coll.register_shadow(base, self._shadow)
+        self._op, self._shadow_fn = op, shadow
+        # join's shadows belong to the client of the time (an elastic reset
+        # replaces the process-wide client; join after it is not followed).
+        self.tag = coll.register_shadow(self.base, self._shadow)
         # _lock guards _control and _begun; taken by autograd / staging
         # threads (allreduce_async) and the caller of step().
         self._lock = threading.Lock()
@@ -63,10 +67,11 @@ class StepReducer(CompressedReducer):
                 return
             self._begun = True
         placeholder = self._placeholder()
-        if self._reducer.world_size == 1:  # nobody to join: no round to send
+        reducer = self.base
+        if reducer.world_size == 1:  # nobody to join: no round to send
             placeholder.set_result(coll.own_rows(self._call()))
             return
-        control = coll.control_async(self._reducer, self._call())
+        control = coll.control_async(reducer, self._call())
 
         def settle(done: Future) -> None:
             error = done.exception()
@@ -96,7 +101,7 @@ class StepReducer(CompressedReducer):
                         ) -> Future[np.ndarray]:
         control = self._placeholder()
         data = super().allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype)
-        call, world = self._call(), self._reducer.world_size
+        call, world = self._call(), self.base.world_size
         target: Future[np.ndarray] = Future()
 
         def on_data(done: Future) -> None:

@@ -61,7 +61,7 @@ from reducer_client.horovod import (
     nccl_built,
     rocm_built,
 )
-from reducer_client.tensorflow import callbacks
+from reducer_client.tensorflow import callbacks, elastic
 from reducer_client.tensorflow._basics import basics as _basics
 from reducer_client.tensorflow.callbacks import (
     BroadcastGlobalVariablesCallback,
@@ -109,7 +109,7 @@ __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "loca
            "DistributedOptimizer", "DistributedGradientTape",
            "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "load_model",
-           "callbacks", "ReducerError", "Compression", "Average", "Sum", "Adasum", "Min",
+           "callbacks", "elastic", "ReducerError", "Compression", "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "mpi_built", "mpi_enabled", "mpi_threads_supported",
            "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
            "cuda_built", "rocm_built"]

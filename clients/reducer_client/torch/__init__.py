@@ -15,8 +15,9 @@ Compression, Average / Sum (Adasum, Min, Max, Product refused), allreduce
 (differentiable; average=, compression=, prescale / postscale), allreduce_,
 allreduce_async(_), grouped_allreduce(_/_async/_async_), allgather(_async),
 allgather_object, broadcast(_/_async/_async_), poll, synchronize, barrier,
-join, cross_rank, cross_size, the *_built / *_enabled queries, and
-DistributedOptimizer(compression=, gradient_predivide_factor=, ...).
+join, cross_rank, cross_size, the *_built / *_enabled queries,
+DistributedOptimizer(compression=, gradient_predivide_factor=, ...) and
+elastic (run, TorchState, ObjectState).
 
 This package only converts tensors to and from NumPy and plugs into
 PyTorch's hook points; chunking, streams, retries and timeouts are the core's
@@ -44,6 +45,7 @@ from reducer_client.horovod import (
     nccl_built,
     rocm_built,
 )
+from reducer_client.torch import elastic
 from reducer_client.torch._basics import basics as _basics
 from reducer_client.torch._tensors import set_error_feedback
 from reducer_client.torch.broadcasts import (
@@ -128,6 +130,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

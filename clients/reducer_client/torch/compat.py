@@ -33,7 +33,7 @@ from reducer_client.horovod import Average, resolve_op
 from reducer_client.steps import StepReducer
 from reducer_client.torch import functions as _functions
 from reducer_client.torch import optimizer as _optimizer
-from reducer_client.torch._basics import next_index, resolve
+from reducer_client.torch._basics import basics, next_index, resolve
 from reducer_client.torch._tensors import staging_for
 
 
@@ -196,7 +196,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     wire = wire_dtype_of(compression)
     base = resolve(reducer)
     holder: list[Any] = []
-    steps = StepReducer(base, wire, gradient_predivide_factor, op,
+    # Without reducer=, the process-wide client of each step (elastic resets replace it).
+    steps = StepReducer(basics.client if reducer is None else base, wire,
+                        gradient_predivide_factor, op,
                         shadow=lambda: holder[0]._shadow_step())
     distributed = _optimizer.DistributedOptimizer(
         optimizer, named_parameters, op=op, backward_passes_per_step=backward_passes_per_step,
