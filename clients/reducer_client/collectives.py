@@ -244,7 +244,7 @@ def _chain(control: Future, call: Call, then: Callable[[np.ndarray, int], Future
     """control's rows checked, then `then(rows, active)` (a future or None), then finish."""
     target: Future = Future()
 
-    def fail(exc: BaseException) -> None:
+    def fail(exc: BaseException | None) -> None:
         if not target.done():
             target.set_exception(exc)
 

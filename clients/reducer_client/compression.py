@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from reducer_wire import dtypes
@@ -139,8 +139,11 @@ class CompressedReducer:
         if not predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide_factor}")
         # A Reducer, or a function that returns one (looked up per call).
-        self._get: Callable[[], Reducer] = (base if not hasattr(base, "allreduce_async")
-                                            else lambda: base)  # type: ignore[assignment]
+        if hasattr(base, "allreduce_async"):
+            fixed = cast(Reducer, base)
+            self._get: Callable[[], Reducer] = lambda: fixed
+        else:
+            self._get = cast(Callable[[], Reducer], base)
         self._wire = wire_dtype
         self.predivide_factor = float(predivide_factor)
 

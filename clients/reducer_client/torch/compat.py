@@ -109,7 +109,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     param.grad = torch.zeros_like(param)
         plain = next(c for c in type(optimizer).__mro__
                      if not issubclass(c, (_JoinableSteps, _optimizer._DistributedOptimizer)))
-        plain.step(optimizer)
+        plain.step(optimizer)  # type: ignore[attr-defined]
     _functions.broadcast_optimizer_state(optimizer, root_rank, reducer=reducer)
 
 __all__ = ["DistributedOptimizer", "joinable_optimizers", "Compression",
@@ -204,13 +204,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         optimizer, named_parameters, op=op, backward_passes_per_step=backward_passes_per_step,
         bucket_bytes=bucket_bytes,
         name=name if name is not None else f"optimizer.{next_index(base, 'optimizer')}",
-        reducer=steps, overlap_forward=overlap_forward)
+        reducer=steps, overlap_forward=overlap_forward)  # type: ignore[arg-type]
     if wire is None or wire == base.wire_dtype:
         # The client's staging, so rt.set_error_feedback(..., reducer) reaches these
         # buckets too (an optimizer on another wire keeps its own: feedback on for 8 bits).
-        distributed._gradients.staging = staging_for(base)
-    distributed.__class__ = _joinable_class(type(distributed))
-    distributed._steps = steps
+        distributed._gradients.staging = staging_for(base)  # type: ignore[attr-defined]
+    distributed.__class__ = _joinable_class(type(distributed))  # type: ignore[arg-type]
+    distributed._steps = steps  # type: ignore[attr-defined]
     holder.append(weakref.proxy(distributed))
     _made.setdefault(base, weakref.WeakSet()).add(distributed)
     return distributed

@@ -43,7 +43,8 @@ class TorchState(ObjectState):
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
         self.model, self.optimizer = model, optimizer
-        self._saved_model = self._saved_optimizer = None
+        self._saved_model: dict[str, Any] | None = None
+        self._saved_optimizer: dict[str, Any] | None = None
         super().__init__(lambda obj, root: broadcast_object(obj, root), **kwargs)
         self._save_framework()
 
