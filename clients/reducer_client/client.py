@@ -44,6 +44,7 @@ from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
 from reducer_client.tls import TLSConfig, channel_credentials
 from reducer_client.transport.link import DaemonLink
+from reducer_client.transport.order import WINDOW_PER_DAEMON, SendOrder
 
 __all__ = ["ReducerClient"]
 
@@ -311,6 +312,11 @@ class ReducerClient:
                               time.monotonic() + self.timeout, self._settled)
         if operation.settled:  # no chunks
             return operation
+        # The chunks leave in step across the links (transport/order.py).
+        window = WINDOW_PER_DAEMON * len(self._links)
+        order = SendOrder(len(chunks), window) if len(chunks) > window else None
+        if order is not None:
+            operation.future.add_done_callback(lambda _: order.release())
         try:
             self._inflight.add(operation)
             for index, chunk in enumerate(chunks):
@@ -328,7 +334,7 @@ class ReducerClient:
                     begin = chunk.offset - base
                     convert.to_wire(values[begin:begin + chunk.numel], dtype, out=payload)
                 link.send((key, round_, chunk.offset), message, operation.handler(index),
-                          operation.deadline_s)
+                          operation.deadline_s, order.turn(index) if order else None)
         except ReducerError as exc:
             operation.fail(exc)
         return operation

@@ -16,20 +16,31 @@ from dataclasses import dataclass
 from reducer_wire import dtypes
 
 __all__ = ["Chunk", "plan_chunks", "plan_wire_chunks", "layout_fingerprint",
-           "pipelined_chunk_bytes", "DEFAULT_CHUNK_BYTES"]
+           "pipelined_chunk_bytes", "DEFAULT_CHUNK_BYTES", "LAYOUT_RULE"]
 
 # Wire bytes per chunk at most, by default: well under gRPC's 4 MiB message
 # limit; on loopback 512 KiB to 3.5 MiB chunks gave the same daemon CPU per
 # byte, so the largest that still pipelines well.
 DEFAULT_CHUNK_BYTES = 1 << 20
-# A daemon answers a chunk only when every worker has sent it, so the first
-# and last chunks cost about chunk_bytes * (N + D) / link rate beyond the
-# transfer itself. On an emulated 200 Mbit cluster (N = D = 4, 64 MiB) 8, 16
-# and 32 chunks per daemon took 1.20x, 1.12x and 1.09x the line-rate bound; on
-# loopback, CPU-bound, 32 cost 10 % more CPU than 16. By default a key gets at
-# least this many chunks per daemon, down to MIN_CHUNK_BYTES.
-PIPELINE_CHUNKS_PER_DAEMON = 16
+# A daemon answers a chunk only when every worker has sent it, and with
+# D = N every link is saturated, so its answers run one chunk behind its
+# input from the first chunk to the last: the pipeline's ends cost one chunk
+# through a daemon's link, N x chunk / rate, beyond the transfer. Graded
+# chunks (small at both ends, large in the middle) do not shorten that: a
+# daemon whose link both takes and answers at the same rate idles for every
+# byte a chunk grows by, so the end is one largest chunk late either way
+# (measured: 1.08x the line-rate bound for both at 64 MiB), and smaller
+# chunks cost CPU per chunk. So: uniform chunks, more of them. With the
+# links kept in step (transport/order.py) 16, 32 and 64 per daemon took
+# 1.15x, 1.08x and 1.08x the bound on the emulated 200 Mbit cluster (N = D =
+# 4, 64 MiB float16); without, 16 took 1.15-1.20x. By default a key gets at
+# least this many chunks per daemon, down to MIN_CHUNK_BYTES (a chunk costs
+# the client about 0.3 ms of CPU here, whatever its size).
+PIPELINE_CHUNKS_PER_DAEMON = 32
 MIN_CHUNK_BYTES = 64 << 10
+# Named in the layout fingerprint: a client that cuts keys by another rule
+# (v1: 16 chunks per daemon) is refused by the daemon instead of mixing.
+LAYOUT_RULE = "reducer-layout/v2"
 
 
 @dataclass(frozen=True)
@@ -106,11 +117,11 @@ def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,
 def layout_fingerprint(num_daemons: int, daemon: int, chunk_bytes: int) -> int:
     """A non-zero 64-bit digest of what fixes the layout as daemon `daemon` sees it.
 
-    Workers that agree on the number of daemons, this daemon's place in the
-    list and the chunk size send the same value; any disagreement would make
-    their chunks miss each other, so the daemon refuses it (Shard.layout).
-    Addresses themselves are left out: one worker may name a daemon by IP and
-    another by host name.
+    Workers that agree on the layout rule (LAYOUT_RULE, this module's), the
+    number of daemons, this daemon's place in the list and the chunk size send
+    the same value; any disagreement would make their chunks miss each other,
+    so the daemon refuses it (Shard.layout). Addresses themselves are left
+    out: one worker may name a daemon by IP and another by host name.
     """
-    text = f"reducer-layout/v1 {num_daemons} {daemon} {chunk_bytes}".encode()
+    text = f"{LAYOUT_RULE} {num_daemons} {daemon} {chunk_bytes}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1

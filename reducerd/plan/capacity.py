@@ -9,7 +9,7 @@ Symbols (docs/scaling.md derives each line):
     r  what one core sums: wire input bytes per CPU-second (reducerd's own
        figure, `reducerd bench` prints it: 1.20-1.28 GB/s of float16 on the
        project's 2-core loopback runs)
-    C  chunk bytes on the wire (the client's default: M / (16 D), clamped to
+    C  chunk bytes on the wire (the client's default: M / (32 D), clamped to
        [64 KiB, 1 MiB])
     e  the payload's share of the link: (MTU - 52) / (MTU + 38), TCP/IP
        headers and Ethernet framing (0.990 at MTU 9000)
@@ -56,7 +56,7 @@ __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_rin
 
 # The client's default chunking (reducer_client.layout.pipelined_chunk_bytes,
 # which the daemon may not import; tests/unit/test_plan.py checks they agree).
-PIPELINE_CHUNKS_PER_DAEMON = 16
+PIPELINE_CHUNKS_PER_DAEMON = 32
 MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 1 << 20
 # Per packet: IPv4 20 + TCP 20 + timestamps 12 inside the MTU; Ethernet header

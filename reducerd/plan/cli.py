@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="summing cores per daemon link: reducerd --threads, or daemon processes "
              "per reducer node (default 1); 'fill': as many as keep the link full")
     add("--chunk-bytes", type=int, metavar="BYTES",
-        help="chunk size on the wire (default: the client's, model / (16 D) within "
+        help="chunk size on the wire (default: the client's, model / (32 D) within "
              "[64 KiB, 1 MiB])")
     add("--latency", metavar="TIME", help="one-way latency per message hop (e.g. 20us; "
         "default 0: bandwidth only)")

@@ -1,7 +1,10 @@
+import zlib
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reducer_client.layout import plan_chunks
+from reducer_client.layout import DEFAULT_CHUNK_BYTES, plan_chunks
 
 
 def _check_cover(chunks, numel):
@@ -55,8 +58,87 @@ def test_default_chunks_leave_every_daemon_several_to_pipeline():
 
     mib = 1 << 20
     assert pipelined_chunk_bytes(64 * mib, 2) == mib  # large keys: the 1 MiB ceiling
-    assert pipelined_chunk_bytes(8 * mib, 4) == mib // 8  # 16 chunks per daemon
+    assert pipelined_chunk_bytes(32 * mib, 4) == mib // 4  # 32 chunks per daemon
+    assert pipelined_chunk_bytes(8 * mib, 4) == MIN_CHUNK_BYTES  # 32 per daemon, at the floor
     assert pipelined_chunk_bytes(1000, 4) == MIN_CHUNK_BYTES  # small keys: one chunk
     assert pipelined_chunk_bytes(8 * mib, 4, max_chunk_bytes=1024) == 1024
-    chunks = plan_chunks(4 * mib, 2, 4, pipelined_chunk_bytes(8 * mib, 4), "k")
-    assert len(chunks) == 64
+    chunks = plan_chunks(16 * mib, 2, 4, pipelined_chunk_bytes(32 * mib, 4), "k")
+    assert len(chunks) == 128 and {c.numel for c in chunks} == {mib // 8}
+
+
+@settings(max_examples=200, deadline=None)
+@given(numel=st.integers(1, 1 << 22), daemons=st.integers(1, 8),
+       dtype_name=st.sampled_from(["float16", "float32", "int8", "fp8_e4m3"]),
+       key=st.text(max_size=8), default=st.booleans())
+def test_wire_layout_covers_in_whole_blocks_within_bounds(numel, daemons, dtype_name, key,
+                                                          default):
+    """What every worker computes alone from (length, key, daemons, chunk_bytes):
+    the same chunks, each element in exactly one, whole 128-element blocks for
+    int8, no chunk over its bytes, at least 32 per daemon where the floor allows."""
+    from reducer_client.layout import (
+        MIN_CHUNK_BYTES,
+        PIPELINE_CHUNKS_PER_DAEMON,
+        pipelined_chunk_bytes,
+        plan_wire_chunks,
+    )
+    from reducer_wire import dtypes
+
+    dtype = dtypes.WIRE_DTYPES[dtype_name]
+    block = dtypes.wire_block(dtype)
+    total = dtypes.wire_nbytes(dtype, numel)
+    chunk_bytes = pipelined_chunk_bytes(total, daemons) if default else 200_000
+    chunks = plan_wire_chunks(numel, dtype, daemons, chunk_bytes, key)
+    _check_cover(chunks, numel)
+    assert chunks == plan_wire_chunks(numel, dtype, daemons, chunk_bytes, key)
+    assert all(c.offset % block == 0 for c in chunks)
+    assert all(c.numel % block == 0 for c in chunks[:-1])
+    assert all(dtypes.wire_nbytes(dtype, c.numel) <= chunk_bytes for c in chunks)
+    blocks = [-(-c.numel // block) for c in chunks]
+    assert max(blocks) - min(blocks) <= 1
+    first = zlib.crc32(key.encode()) % daemons
+    assert [c.daemon for c in chunks] == [(first + i) % daemons for i in range(len(chunks))]
+    if default and chunk_bytes > MIN_CHUNK_BYTES and chunk_bytes < DEFAULT_CHUNK_BYTES:
+        assert len(chunks) >= PIPELINE_CHUNKS_PER_DAEMON * daemons
+
+
+def test_fingerprint_names_rule_daemons_place_and_chunk_bytes():
+    import hashlib
+
+    from reducer_client.layout import LAYOUT_RULE, layout_fingerprint
+
+    def v1(num_daemons, daemon, chunk_bytes):  # what clients before the v2 rule send
+        text = f"reducer-layout/v1 {num_daemons} {daemon} {chunk_bytes}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
+
+    assert LAYOUT_RULE == "reducer-layout/v2"
+    base = layout_fingerprint(4, 1, 1 << 20)
+    assert base == layout_fingerprint(4, 1, 1 << 20) and 0 < base < 1 << 64
+    others = {layout_fingerprint(5, 1, 1 << 20), layout_fingerprint(4, 2, 1 << 20),
+              layout_fingerprint(4, 1, 1 << 19), v1(4, 1, 1 << 20)}
+    assert base not in others and len(others) == 4
+
+
+def test_daemon_refuses_a_job_whose_clients_cut_by_different_rules():
+    """An old (v1) and a new client in one job: the daemon fails the chunk
+    with INVALID_ARGUMENT naming the layout, instead of summing mismatched chunks."""
+    import hashlib
+
+    from reducer_client.layout import layout_fingerprint
+    from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+    from reducerd.chunks import ChunkId, Contribution
+    from reducerd.reduction import ReductionTable
+
+    old = int.from_bytes(hashlib.blake2b(b"reducer-layout/v1 2 0 1048576",
+                                         digest_size=8).digest(), "little") or 1
+    table = ReductionTable(round_timeout_s=5, max_inflight_bytes=1 << 20)
+    cid = ChunkId("job", "k", 0, 0)
+    data = np.ones(4, dtype="<f2").tobytes()
+    new = layout_fingerprint(2, 0, 1 << 20)
+    assert table.contribute(cid, Contribution(0, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, data,
+                                              new), "rank0") == []
+    failed = table.contribute(cid, Contribution(1, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM,
+                                                data, old), "rank1")
+    assert failed and all(d.error_code == "INVALID_ARGUMENT" for d in failed)
+    assert "disagree on the chunk layout" in failed[0].error_message
+    assert {s for d in failed for s in d.sinks} == {"rank0", "rank1"}

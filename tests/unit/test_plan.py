@@ -107,20 +107,20 @@ def test_daemons_needed_to_keep_worker_links_full(daemon_link, rate, cores, need
 
 def test_bottleneck_and_time_per_step_worked_example():
     """N = D = 4 at 200 Mbit/s (25e6 bytes/s), 16 MiB of float32 (8 MiB float16):
-    chunks of 8 MiB / 64 = 128 KiB; time = 8 MiB / (25e6 e) + 128 KiB (4 + 4) / 25e6."""
+    chunks of 8 MiB / 128 = 64 KiB; time = 8 MiB / (25e6 e) + 64 KiB (4 + 4) / 25e6."""
     s = ClusterSpec(params=4 << 20, wire_bytes_per_param=2, nodes=4, gpus_per_node=1,
                     link_Bps=25e6, daemon_link_Bps=25e6, daemon_rate_Bps_per_core=1.2e9,
                     daemons=4)
     plan = plan_reducerd(s)
-    assert plan.chunk_bytes == 128 << 10
+    assert plan.chunk_bytes == 64 << 10
     assert plan.bottleneck == "worker link"
-    assert plan.pipeline_s == pytest.approx((128 << 10) * 8 / 25e6)
-    assert plan.time_s == pytest.approx((8 << 20) / (25e6 * E) + (128 << 10) * 8 / 25e6)
+    assert plan.pipeline_s == pytest.approx((64 << 10) * 8 / 25e6)
+    assert plan.time_s == pytest.approx((8 << 20) / (25e6 * E) + (64 << 10) * 8 / 25e6)
     two = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": 2}))
     assert two.bottleneck == "daemon link"  # each daemon link carries 2 models
     assert two.daemon_link_s == pytest.approx(2 * (8 << 20) / (25e6 * E))
-    # Chunks of 8 MiB / 32; fill and drain each pass the daemon's 4 workers: 2 x 4 C / 25e6.
-    assert two.pipeline_s == pytest.approx(2 * 4 * (256 << 10) / 25e6)
+    # Chunks of 8 MiB / 64; fill and drain each pass the daemon's 4 workers: 2 x 4 C / 25e6.
+    assert two.pipeline_s == pytest.approx(2 * 4 * (128 << 10) / 25e6)
     assert two.time_s == pytest.approx(two.daemon_link_s + two.pipeline_s)
     slow = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemon_rate_Bps_per_core": 10e6}))
     assert slow.bottleneck == "daemon CPU"

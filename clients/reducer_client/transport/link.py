@@ -44,6 +44,7 @@ from reducer_client.tls import TLSConfig, ssl_context
 from reducer_client.transport.base import Control, NotOffered, Transport, TransportError
 from reducer_client.transport.grpc import MAX_MESSAGE_BYTES, GrpcTransport
 from reducer_client.transport.history import Message, SendHistory, Slot
+from reducer_client.transport.order import Turn
 from reducer_client.transport.tcp import TcpTransport
 
 __all__ = ["DaemonLink", "ReplyHandler", "PendingKey", "real_transports",
@@ -144,9 +145,11 @@ class DaemonLink:
             return self._history.message(slot, nbytes)
 
     def send(self, key: PendingKey, message: Message, handler: ReplyHandler,
-             deadline_s: float = float("inf")) -> None:
+             deadline_s: float = float("inf"), turn: Turn | None = None) -> None:
         """Queue one encoded shard for the daemon; `handler` gets its reply, or
-        the error it failed with (at the latest just after deadline_s)."""
+        the error it failed with (at the latest just after deadline_s). turn:
+        its place in its operation's SendOrder (order.py), which its first
+        sending waits for; a resend does not."""
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
@@ -154,7 +157,7 @@ class DaemonLink:
                 self._open_stream()
             assert self._outbox is not None
             self._pending[key] = _Pending(handler, message, deadline_s)
-            self._put(self._outbox, message)
+            self._put(self._outbox, message, turn)
 
     def forget(self, keys: Iterable[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
@@ -176,23 +179,31 @@ class DaemonLink:
 
     # -- the stream -----------------------------------------------------------
 
-    def _put(self, outbox: queue.SimpleQueue[Any], message: Message) -> None:
+    def _put(self, outbox: queue.SimpleQueue[Any], message: Message,
+             turn: Turn | None = None) -> None:
         """Queue `message` (caller holds _lock)."""
         message.queued += 1
-        outbox.put(message)
+        outbox.put(message if turn is None else (message, turn))
 
     def _drain(self, outbox: queue.SimpleQueue[Any]) -> Iterator[memoryview]:
         """The requests of one stream, on the transport's sender thread. Asking
-        for the next item means the transport is done with the previous one."""
+        for the next item means the transport is done with the previous one
+        (and its turn is over, before we wait for the next item)."""
         previous: Message | None = None
+        turn: Turn | None = None
         while True:
-            item = outbox.get()
             if previous is not None:
+                if turn is not None:
+                    turn.handed()
                 with self._lock:
                     previous.queued -= 1
-                previous = None
+                previous = turn = None
+            item = outbox.get()
             if item is _CLOSE:
                 return
+            if isinstance(item, tuple):
+                item, turn = item
+                turn.wait()
             previous = item
             yield item.frame
 

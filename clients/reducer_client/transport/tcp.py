@@ -63,6 +63,12 @@ __all__ = ["StreamBroken", "TcpStream", "TcpTransport", "REFUSED_BACKOFF_S"]
 # After a refusal for capacity, how long gRPC carries this daemon's streams.
 REFUSED_BACKOFF_S = 10.0
 
+# A send returns once at most this much of the socket's data is unsent, so a
+# chunk handed over is about on the wire: what keeps the links of one
+# operation in step (order.py). Far above a fast link's per-wakeup needs.
+NOTSENT_LOWAT_BYTES = 128 << 10
+_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+
 # The name this module's callers knew; the seam's error now (base.py).
 StreamBroken = TransportError
 _FRAME_HEADER_BYTES = len(frame_header(SHARD, 0))
@@ -151,6 +157,8 @@ class TcpStream:
         try:
             sock.settimeout(None)
             tune_socket(sock)
+            if _NOTSENT_LOWAT is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
             if self._tls_context is not None:
                 channel = TlsChannel(sock, self._tls_context, server_side=False,
                                      server_hostname=self._server_hostname)
