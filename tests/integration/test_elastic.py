@@ -12,12 +12,18 @@ The survivors' step fails with the daemon's round timeout naming rank 2,
 they go back to the commit after step 3, go on as 2 ranks without
 restarting, and finish with the parameters of a fault-free run that
 trained 4 steps on 3 ranks and then the rest on 2 from that commit.
+
+Scenario 3 (a worker that missed rounds): as 2, but rank 2 only stalls
+(STALL_S, several round timeouts) and then goes on: the survivors have gone
+on without it, and its next call fails clearly (it is not a majority), never
+out of step with the others or training apart.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import time
 import uuid
 
 import numpy as np
@@ -29,6 +35,7 @@ torch = pytest.importorskip("torch")
 ROUND_TIMEOUT_S = 3  # the daemon's: shorter than the client's, so its error (naming
 CLIENT_TIMEOUT_S = 20.0  # the missing ranks) arrives first
 STEPS, COMMIT_EVERY, DIES_AT = 8, 2, 5
+STALL_S = 15.0  # past the survivors' failure, agreement without it, and the rest
 LR, MOMENTUM = 0.1, 0.9
 
 
@@ -66,7 +73,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
 
 
-def elastic_worker(rank: int, world_size: int, addresses: list[str], job: str) -> dict:
+def elastic_worker(rank: int, world_size: int, addresses: list[str], job: str,
+                   fault: str) -> dict:
     import reducer_client.torch as rt
 
     torch.set_num_threads(1)
@@ -81,8 +89,10 @@ def elastic_worker(rank: int, world_size: int, addresses: list[str], job: str) -
     @rt.elastic.run
     def train(state):
         while state.batch < STEPS:
-            if rank == 2 and state.batch == DIES_AT:
-                os._exit(3)  # lost: no goodbye to anyone
+            if rank == 2 and state.batch == DIES_AT and not resets:
+                if fault == "dies":
+                    os._exit(3)  # lost: no goodbye to anyone
+                time.sleep(STALL_S)  # stalled: misses the others' rounds
             opt.zero_grad()
             x, y = _batch(rt.rank(), state.batch)
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -115,11 +125,14 @@ def _reference() -> list[np.ndarray]:
     return [p.detach().numpy() for p in model.parameters()]
 
 
-def test_survivors_roll_back_and_go_on_smaller(daemons):
+@pytest.mark.parametrize("fault", ["dies", "stalls"])
+def test_survivors_roll_back_and_go_on_smaller(daemons, fault):
     with daemons(2, round_timeout=ROUND_TIMEOUT_S) as d:
-        results = run_workers(elastic_worker, 3, (d.addresses, uuid.uuid4().hex),
+        results = run_workers(elastic_worker, 3, (d.addresses, uuid.uuid4().hex, fault),
                               timeout=150, allow_errors=True)
-    assert isinstance(results[2], WorkerFailed)  # the one that died
+    assert isinstance(results[2], WorkerFailed)
+    if fault == "stalls":  # its next call failed, saying why; it did not train apart
+        assert "not a majority" in str(results[2]), results[2]
     reference = _reference()
     for rank in (0, 1):
         out = results[rank]
