@@ -29,13 +29,14 @@ wire dtype (reducerd.reduction).
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import accumulate
-from reducerd.chunks import ChunkId, Contribution, OpenChunk
+from reducerd.chunks import ChunkId, Contribution, Delivery, OpenChunk
 from reducerd.replies import Reply, result_reply
 from reducerd.summing import PoolClosed, SummingPool
 
@@ -65,15 +66,19 @@ class ChunkSums:
     fault: the first exception of its tasks (written and read on that thread).
     cancelled: set by the loop when the chunk failed: later tasks skip the work.
     ended: set by the loop once the last task (finish or discard) is queued.
+    resends: contributions resent while the result was being summed, each
+    answered after it as a resend to a completed chunk is: (the stream,
+    None: the result once more; or the error to send it instead).
     """
 
-    __slots__ = ("cid", "chunk", "partition", "fault", "cancelled", "ended")
+    __slots__ = ("cid", "chunk", "partition", "fault", "cancelled", "ended", "resends")
 
     def __init__(self, cid: ChunkId, chunk: OpenChunk, partition: int) -> None:
         self.cid, self.chunk, self.partition = cid, chunk, partition
         self.fault: BaseException | None = None
         self.cancelled = False
         self.ended = False
+        self.resends: list[tuple[Hashable, Delivery | None]] = []
 
 
 class PooledSums:
@@ -107,6 +112,29 @@ class PooledSums:
         except BaseException:
             sums.ended = False  # not queued: release() must still give the room back
             raise
+
+    def resent(self, cid: ChunkId, chunk: OpenChunk, part: Contribution,
+               sink: Hashable) -> list[Delivery]:
+        """A contribution to a chunk complete and being summed: answered as a
+        completed chunk's resend (ReductionTable._repeat), after the result,
+        once it lands (so the stream hears both in the inline path's order)."""
+        error = None
+        if (part.dtype, part.numel, part.world_size) != (chunk.dtype, chunk.numel,
+                                                         chunk.world_size):
+            error = Delivery(cid, part.dtype, part.op, part.world_size, (sink,),
+                             error_code="INVALID_ARGUMENT", error_message=(
+                                 f"{cid.describe()}: rank {part.rank} resent a contribution "
+                                 "that disagrees with the completed chunk (dtype, length or "
+                                 "world_size)"))
+        chunk.sums.resends.append((sink, error))
+        return []
+
+    def resend_deliveries(self, cid: ChunkId, chunk: OpenChunk, reply: Reply,
+                          ) -> list[Delivery]:
+        """What each contribution resent while the result was summed gets."""
+        return [error or Delivery(cid, chunk.dtype, chunk.op, chunk.world_size, (sink,),
+                                  reply=reply, repeat=True)
+                for sink, error in chunk.sums.resends]
 
     def release(self, chunk: OpenChunk) -> None:
         """The chunk left the table (done, failed, timed out): skip what is still

@@ -184,6 +184,8 @@ class ReductionTable:
         open_chunk = self._open.get(chunk)
         if open_chunk is None:
             return self._open_chunk(chunk, part, sink, now, job)
+        if open_chunk.sums is not None and open_chunk.sums.ended:  # complete, being summed
+            return self._pooled.resent(chunk, open_chunk, part, sink)  # type: ignore[union-attr]
 
         disagreement = mismatch(open_chunk, part)
         if disagreement:
@@ -246,7 +248,8 @@ class ReductionTable:
         """A summing thread finished `chunk` (loop thread): deliver its result."""
         if self._open.get(cid) is not chunk:
             return  # failed meanwhile (round timeout, shutdown): its streams were told
-        self.on_deliveries([self._completed(cid, chunk, self.jobs[cid.job], reply)])
+        self.on_deliveries([self._completed(cid, chunk, self.jobs[cid.job], reply),
+                            *self._pooled.resend_deliveries(cid, chunk, reply)])  # type: ignore[union-attr]
 
     def summing_failed(self, cid: ChunkId, chunk: OpenChunk, message: str) -> None:
         """A summing thread failed on `chunk` (our fault, logged): INTERNAL for all."""
@@ -312,6 +315,8 @@ class ReductionTable:
         chunk = self._open.get(cid)
         job = self.jobs[cid.job]
         if chunk is not None:
+            if chunk.sums is not None:  # resent while summed: told too, not left waiting
+                sinks = (*sinks, *(sink for sink, _ in chunk.sums.resends))
             self._release(cid, chunk, job)
         job.chunks_failed += 1
         self._failed[cid] = Failure(code, message, self._clock() + self.round_timeout_s)

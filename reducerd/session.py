@@ -237,13 +237,20 @@ class Session:
         self.deliver(self.table.contribute(cid, part, stream))
 
     def deliver(self, deliveries: Iterable[Delivery]) -> None:
-        """Put each delivery's reply (or failure) into its streams' outboxes."""
+        """Put each delivery's reply (or failure) into its streams' outboxes;
+        then end those that wait for nothing more (after the whole batch: a
+        resend answered in the same batch goes out before the end)."""
+        streams: dict[Stream, None] = {}
         for d in deliveries:
+            streams.update(dict.fromkeys(d.sinks))  # type: ignore[arg-type]
             try:
                 self._deliver(d)
             except Exception as exc:
                 self._daemon_fault(exc, f"delivering {d.chunk.describe()}",
                                    d.sinks)  # type: ignore[arg-type]
+        for stream in streams:
+            stream.maybe_finish()
+            stream.end_when_delivered()
 
     def _deliver(self, d: Delivery) -> None:
         if self.observer is not None:
@@ -274,10 +281,6 @@ class Session:
                 if message is None:
                     message = bytes(reply.message)
                 stream.outbox.put_nowait(message)
-            stream.maybe_finish()
-        for sink in d.sinks:
-            if sink.held_end is not None:  # type: ignore[attr-defined]
-                sink.end_when_delivered()  # type: ignore[attr-defined]
 
     def expire(self, idle_timeout_s: float) -> None:
         """Fail chunks past the round timeout; end streams idle for `idle_timeout_s`."""

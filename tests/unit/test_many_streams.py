@@ -25,7 +25,7 @@ from reducer_wire.codec import decode_shard
 from reducerd import chunk_sums
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.replies import Reply
-from reducerd.session import Session, Stream, decode_request
+from reducerd.session import END, Session, Stream, decode_request
 from reducerd.summing import SummingPool
 
 pytestmark = pytest.mark.timeout(120)
@@ -147,3 +147,65 @@ def test_an_end_with_nothing_being_summed_goes_out_at_once(pooled_session):
     assert stream.outbox == [(grpc.StatusCode.INVALID_ARGUMENT, "bad")]
     run_posts()
     assert len(stream.outbox) == 1
+
+
+def gate_copies(monkeypatch) -> threading.Event:
+    gate = threading.Event()
+    real_copy = chunk_sums.accumulate.copy_wire_into
+    monkeypatch.setattr(chunk_sums.accumulate, "copy_wire_into",
+                        lambda *a: (gate.wait(10), real_copy(*a)))
+    return gate
+
+
+def test_a_resend_while_summed_is_answered_again_as_after_completion(pooled_session,
+                                                                    monkeypatch):
+    """As inline: the first shard completes the chunk, the resend hears the
+    cached result; the half-closed stream ends only after both."""
+    session, run_posts = pooled_session
+    gate = gate_copies(monkeypatch)
+    stream, other = (Stream(name, True, outbox=Outbox(), frames=True) for name in "ab")
+    for s in (stream, other):
+        session.open_stream(s)
+    assert session.accept(shard(0, 1, "done", 3.0), stream)
+    assert session.accept(shard(0, 1, "done", 3.0), stream)  # the same stream resends
+    assert session.accept(shard(0, 1, "done", 3.0), other)  # and another one
+    stream.half_close()
+    assert stream.outbox == [] and other.outbox == []
+    gate.set()
+    run_posts()
+    first, again, end = stream.outbox
+    assert first is again and isinstance(first, Reply) and end is END
+    assert other.outbox == [first]
+
+
+def test_a_disagreeing_resend_while_summed_fails_after_the_result(pooled_session,
+                                                                 monkeypatch):
+    session, run_posts = pooled_session
+    gate = gate_copies(monkeypatch)
+    stream = Stream("s", False, outbox=Outbox())  # no in-band errors: the error ends it
+    session.open_stream(stream)
+    assert session.accept(shard(0, 1, "done"), stream)
+    assert session.accept(shard(0, 2, "done"), stream)  # world_size 2: told after the result
+    gate.set()
+    run_posts()
+    result, (code, message) = stream.outbox
+    assert decode_shard(result).key == "done"
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "resent a contribution" in message
+
+
+def test_a_chunk_failed_while_summed_tells_who_resent(pooled_session, monkeypatch):
+    session, run_posts = pooled_session
+    gate = gate_copies(monkeypatch)  # held: the chunk stays complete, being summed
+    stream, other = (Stream(name, True, outbox=Outbox(), frames=True) for name in "ab")
+    for s in (stream, other):
+        session.open_stream(s)
+    assert session.accept(shard(0, 1, "done"), stream)
+    assert session.accept(shard(0, 1, "done"), other)
+    session.fail_all("UNAVAILABLE", "daemon shut down")
+    for s in (stream, other):
+        (failed,) = s.outbox
+        assert decode_shard(failed.message).error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+    gate.set()
+    run_posts()  # the landing of a failed chunk is dropped
+    assert [len(s.outbox) for s in (stream, other)] == [1, 1]
+    assert session.table.bytes_held == 0
