@@ -143,6 +143,8 @@ class ReducerServicer:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if stream.ended:  # we ended the call (its abort wakes this read): no fault
+                    return
                 # Not a bad message (decode_request answers those, never raising):
                 # gRPC itself failed to hand us the next one. Not the client's fault.
                 log.exception("reducerd fault while reading the stream from %s", stream.peer)
