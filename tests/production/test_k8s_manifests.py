@@ -252,8 +252,9 @@ def test_worker_job_lists_every_daemon_once_in_ordinal_order():
             "metadata.annotations['batch.kubernetes.io/job-completion-index']")
         assert int(env["REDUCER_WORLD_SIZE"]["value"]) == job["spec"]["completions"] == (
             job["spec"]["parallelism"])
+        # A job token, in a Secret of the job's own, never the daemons' token.
         assert env["REDUCER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-            "name": "reducerd-token", "key": "token"}
+            "name": f"{job['metadata']['name']}-token", "key": "token"}
         assert c["image"] == container(sts["spec"]["template"]["spec"], "reducerd")["image"]
 
 
