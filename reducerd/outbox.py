@@ -9,11 +9,16 @@ is slowed down by its own transport's flow control instead of buffered.
 
 A reply is counted once per stream even where streams share its buffer: an
 upper bound, and the one that a stream which never reads keeps alive.
+
+Priority (Shard.priority of the stream's contribution): a reply put with a
+positive one is taken before those of a lower one, in put order among equals;
+priority 0 and the last items (END, a status) keep plain FIFO order behind them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import threading
 from collections import deque
 from typing import Any
@@ -60,6 +65,29 @@ class _Counted:
         self.unsent_bytes = 0
 
 
+class _Ordered:
+    """Items in priority order: positive priorities first, highest first, put
+    order among equals, then the FIFO of priority 0 (callers hold any lock)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._urgent: list[tuple[int, int, Any]] = []  # (-priority, count, item): a heap
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self._items) + len(self._urgent)
+
+    def push(self, item: Any, priority: int) -> None:
+        if priority:
+            heapq.heappush(self._urgent, (-priority, self._count, item))
+            self._count += 1
+        else:
+            self._items.append(item)
+
+    def pop(self) -> Any:
+        return heapq.heappop(self._urgent)[2] if self._urgent else self._items.popleft()
+
+
 class AsyncOutbox(_Counted):
     """A gRPC stream's outbox; the loop thread alone uses it."""
 
@@ -67,18 +95,23 @@ class AsyncOutbox(_Counted):
                  pause_at_bytes: int = 16 << 20) -> None:
         super().__init__(budget)
         self.pause_at_bytes = pause_at_bytes
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue = _Ordered()
+        self._ready = asyncio.Event()  # set while something waits to be taken
         self._room = asyncio.Event()
         self._room.set()
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: Any, priority: int = 0) -> None:
         self._count(item)
         if self.unsent_bytes >= self.pause_at_bytes:
             self._room.clear()
-        self._queue.put_nowait(item)
+        self._queue.push(item, priority)
+        self._ready.set()
 
     async def get(self) -> Any:
-        return await self._queue.get()
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._queue.pop()
 
     def sent(self, item: Any) -> None:
         """`item` left (gRPC took it): its bytes no longer count."""
@@ -102,21 +135,21 @@ class ThreadOutbox(_Counted):
 
     def __init__(self, budget: MemoryBudget | None = None) -> None:
         super().__init__(budget)
-        self._items: deque[Any] = deque()
+        self._items = _Ordered()
         # _cond guards _items and the counts; the loop, writer and reader threads take it.
         self._cond = threading.Condition()
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: Any, priority: int = 0) -> None:
         with self._cond:
             self._count(item)
-            self._items.append(item)
+            self._items.push(item, priority)
             self._cond.notify_all()
 
     def get(self) -> Any:
         with self._cond:
             while not self._items:
                 self._cond.wait()
-            return self._items.popleft()
+            return self._items.pop()
 
     def sent(self, item: Any) -> None:
         with self._cond:

@@ -70,6 +70,8 @@ class Stream:
         self.frames = frames
         self.outbox = asyncio.Queue() if outbox is None else outbox
         self.waiting: set[ChunkId] = set()
+        # Of the chunks it waits for, those whose shard gave a priority (Shard.priority).
+        self.priorities: dict[ChunkId, int] = {}
         self.half_closed = False
         # Set once the last item is in the outbox: nothing more goes in, no shard is taken.
         self.ended = False
@@ -109,6 +111,14 @@ class Stream:
         if self.held_end is not None and not (self.results_pending and self.results_pending()):
             self.outbox.put_nowait(self.held_end)
             self.held_end = None
+
+
+def _put(outbox: Any, item: Any, priority: int) -> None:
+    """Into a stream's outbox, before the items of a lower priority (reducerd.outbox)."""
+    if priority:
+        outbox.put_nowait(item, priority)
+    else:
+        outbox.put_nowait(item)
 
 
 class DecodeFault(NamedTuple):
@@ -233,6 +243,8 @@ class Session:
         part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
                             shard.data, shard.layout)
         stream.waiting.add(cid)
+        if shard.priority:
+            stream.priorities[cid] = shard.priority
         stream.last_message_s = time.monotonic()
         self.deliver(self.table.contribute(cid, part, stream))
 
@@ -264,6 +276,7 @@ class Session:
         for sink in dict.fromkeys(d.sinks):
             stream: Stream = sink  # type: ignore[assignment]
             stream.waiting.discard(d.chunk)
+            priority = stream.priorities.pop(d.chunk, 0) if stream.priorities else 0
             if stream.ended and stream.held_end is None:
                 continue
             if code is not None and not stream.inband_errors:
@@ -276,11 +289,11 @@ class Session:
                                     world_size=d.world_size, error_code=code.value[0],
                                     error_message=d.error_message)
             if stream.frames:
-                stream.outbox.put_nowait(reply)
+                _put(stream.outbox, reply, priority)
             else:
                 if message is None:
                     message = bytes(reply.message)
-                stream.outbox.put_nowait(message)
+                _put(stream.outbox, message, priority)
 
     def expire(self, idle_timeout_s: float) -> None:
         """Fail chunks past the round timeout; end streams idle for `idle_timeout_s`."""

@@ -181,13 +181,14 @@ class ReducerClient:
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
                   out: np.ndarray | None = None, wire_dtype: str | None = None,
-                  ) -> np.ndarray:
+                  priority: int = 0) -> np.ndarray:
         """Sum (or average) `array` over all workers; same dtype and shape back."""
-        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype).result()
+        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype,
+                                    priority=priority).result()
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
                         out: np.ndarray | None = None, wire_dtype: str | None = None,
-                        ) -> Future[np.ndarray]:
+                        priority: int = 0) -> Future[np.ndarray]:
         """Start an allreduce; the future's result is the reduced array.
 
         The input is copied (converted to the wire dtype) before this returns,
@@ -198,12 +199,19 @@ class ReducerClient:
         Its contents are unspecified if the operation fails.
         wire_dtype: this call's wire dtype instead of the client's (every
         rank must give the same for a key's round; the shims' compression=).
+        priority: how soon this result is needed beside the others in flight,
+        higher first (0, the default, last): its chunks go out before queued
+        chunks of lower priority, and the daemons answer them first
+        (Shard.priority). Only the order changes; every rank should give the
+        same. Not carried through node-local aggregation.
         """
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
         if wire not in dtypes.WIRE_DTYPES:
             raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
+        if not (isinstance(priority, int) and 0 <= priority < 1 << 32):
+            raise ValueError(f"priority must be an integer in [0, 2**32), got {priority!r}")
         return self._start(array, key, dtypes.WIRE_DTYPES[wire],
-                           dtypes.op_value(op), root_rank=None, out=out)
+                           dtypes.op_value(op), root_rank=None, out=out, priority=priority)
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
         """Return root_rank's `array` on every worker.
@@ -242,7 +250,8 @@ class ReducerClient:
     # -- internals ----------------------------------------------------------
 
     def _start(self, array: np.ndarray, key: str, dtype: int, op: int,
-               root_rank: int | None, out: np.ndarray | None = None) -> Future[np.ndarray]:
+               root_rank: int | None, out: np.ndarray | None = None,
+               priority: int = 0) -> Future[np.ndarray]:
         if not isinstance(key, str) or not key:
             raise ValueError("key must be a non-empty string")
         array = np.asarray(array)
@@ -273,7 +282,7 @@ class ReducerClient:
                                   self._chunk_bytes_for(flat.size, dtype), key)
         return self._send_chunks(flat if contributes else None, 0, result.reshape(-1),
                                  result, key, round_, dtype, op, chunks, self.rank,
-                                 self.world_size).future
+                                 self.world_size, priority).future
 
     def _send_slice(self, values: np.ndarray, start: int, out: np.ndarray, key: str,
                     round_: int, dtype: int, op: int) -> Operation:
@@ -299,7 +308,8 @@ class ReducerClient:
 
     def _send_chunks(self, values: np.ndarray | None, base: int, out: np.ndarray,
                      result: np.ndarray, key: str, round_: int, dtype: int, op: int,
-                     chunks: Sequence[Chunk], rank: int, world_size: int) -> Operation:
+                     chunks: Sequence[Chunk], rank: int, world_size: int,
+                     priority: int = 0) -> Operation:
         """Send values[c.offset - base:] for every chunk c; replies fill out[c.offset:].
 
         Each chunk is narrowed straight into the payload of its message (a
@@ -324,7 +334,8 @@ class ReducerClient:
                 encoder = ShardEncoder(job=self.job, rank=rank, world_size=world_size,
                                        round=round_, key=key, offset=chunk.offset,
                                        dtype=dtype, op=op, layout=self._layouts[chunk.daemon],
-                                       data_nbytes=dtypes.wire_nbytes(dtype, chunk.numel))
+                                       data_nbytes=dtypes.wire_nbytes(dtype, chunk.numel),
+                                       priority=priority)
                 message = link.message((key, chunk.offset), encoder.nbytes)
                 payload = encoder.write_into(message.shard)
                 if values is None:
@@ -334,7 +345,8 @@ class ReducerClient:
                     begin = chunk.offset - base
                     convert.to_wire(values[begin:begin + chunk.numel], dtype, out=payload)
                 link.send((key, round_, chunk.offset), message, operation.handler(index),
-                          operation.deadline_s, order.turn(index) if order else None)
+                          operation.deadline_s, order.turn(index) if order else None,
+                          priority)
         except ReducerError as exc:
             operation.fail(exc)
         return operation

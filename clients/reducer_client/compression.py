@@ -91,15 +91,16 @@ def wire_dtype_of(compression: Compressor | str | None) -> str | None:
 
 def allreduce_async_on_wire(reducer: Reducer, array: np.ndarray, key: str, op: str,
                             wire_dtype: str | None, out: np.ndarray | None = None,
-                            ) -> Future[np.ndarray]:
+                            priority: int = 0) -> Future[np.ndarray]:
     """reducer.allreduce_async on `wire_dtype` (None: the reducer's own).
 
-    The keyword is passed only when it changes something, so a Reducer
-    without it still serves calls at its own wire dtype.
+    The keywords are passed only when they change something, so a Reducer
+    without them still serves calls at its own wire dtype (and no priority).
     """
-    if wire_dtype is None or wire_dtype == reducer.wire_dtype:
-        return reducer.allreduce_async(array, key, op, out=out)
-    return reducer.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype)
+    extra: dict[str, Any] = {"priority": priority} if priority else {}
+    if wire_dtype is not None and wire_dtype != reducer.wire_dtype:
+        extra["wire_dtype"] = wire_dtype
+    return reducer.allreduce_async(array, key, op, out=out, **extra)
 
 
 def _then(source: Future, finish: Callable[[Any], Any]) -> Future:
@@ -164,12 +165,12 @@ class CompressedReducer:
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
                         out: np.ndarray | None = None, wire_dtype: str | None = None,
-                        ) -> Future[np.ndarray]:
+                        priority: int = 0) -> Future[np.ndarray]:
         base = self.base
         wire = wire_dtype if wire_dtype is not None else self._wire
         factor = self.predivide_factor
         if op != "mean" or factor == 1.0:
-            return allreduce_async_on_wire(base, array, key, op, wire, out)
+            return allreduce_async_on_wire(base, array, key, op, wire, out, priority)
         # Scale a copy unless the result goes into the input anyway (the
         # shims' staging buffers): the caller's array stays as it was.
         scaled = array if out is array else np.array(array, copy=True)
@@ -179,12 +180,14 @@ class CompressedReducer:
         def rescale(result: np.ndarray) -> np.ndarray:
             np.multiply(result, post, out=result, casting="unsafe")
             return result
-        return _then(allreduce_async_on_wire(base, scaled, key, "sum", wire, out), rescale)
+        return _then(allreduce_async_on_wire(base, scaled, key, "sum", wire, out, priority),
+                     rescale)
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
                   out: np.ndarray | None = None, wire_dtype: str | None = None,
-                  ) -> np.ndarray:
-        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype).result()
+                  priority: int = 0) -> np.ndarray:
+        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype,
+                                    priority=priority).result()
 
     def broadcast_async(self, array: np.ndarray, key: str, root_rank: int = 0,
                         ) -> Future[np.ndarray]:

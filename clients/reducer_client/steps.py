@@ -98,9 +98,10 @@ class StepReducer(CompressedReducer):
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
                         out: np.ndarray | None = None, wire_dtype: str | None = None,
-                        ) -> Future[np.ndarray]:
+                        priority: int = 0) -> Future[np.ndarray]:
         control = self._placeholder()
-        data = super().allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype)
+        data = super().allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype,
+                                       priority=priority)
         call, world = self._call(), self.base.world_size
         target: Future[np.ndarray] = Future()
 

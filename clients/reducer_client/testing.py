@@ -175,8 +175,11 @@ class LocalClient:
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
                         out: np.ndarray | None = None, wire_dtype: str | None = None,
-                        ) -> Future[np.ndarray]:
+                        priority: int = 0) -> Future[np.ndarray]:
+        """As ReducerClient's; priority is checked and otherwise has no effect here."""
         dtypes.op_value(op)  # ValueError naming the choices
+        if not (isinstance(priority, int) and 0 <= priority < 1 << 32):
+            raise ValueError(f"priority must be an integer in [0, 2**32), got {priority!r}")
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
         if wire not in dtypes.WIRE_DTYPES:
             raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
@@ -184,9 +187,9 @@ class LocalClient:
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
                   out: np.ndarray | None = None, wire_dtype: str | None = None,
-                  ) -> np.ndarray:
-        return self.allreduce_async(array, key, op, out=out,
-                                    wire_dtype=wire_dtype).result(self.timeout)
+                  priority: int = 0) -> np.ndarray:
+        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype,
+                                    priority=priority).result(self.timeout)
 
     def broadcast_async(self, array: np.ndarray, key: str, root_rank: int = 0,
                         ) -> Future[np.ndarray]:

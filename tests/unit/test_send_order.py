@@ -124,14 +124,16 @@ class _HeldTransport(Transport):
         self._closed.set()
 
 
-def _send(link: DaemonLink, order: SendOrder, index: int) -> None:
+def _send(link: DaemonLink, order: SendOrder, index: int, priority: int = 0) -> None:
+    """Chunk `index` of key "k" (its offset is the index), turn `index` of order."""
     values = np.ones(4, dtype=np.float32)
     encoder = ShardEncoder(job="j", key="k", rank=0, world_size=1, round=0, offset=index,
                            dtype=pb.DTYPE_FLOAT32, op=pb.REDUCE_OP_SUM,
-                           data_nbytes=values.nbytes)
+                           data_nbytes=values.nbytes, priority=priority)
     message = link.message(("k", index), encoder.nbytes)
     np.frombuffer(encoder.write_into(message.shard), "<f4")[:] = values
-    link.send(("k", 0, index), message, lambda reply, error: None, turn=order.turn(index))
+    link.send(("k", 0, index), message, lambda reply, error: None,
+              turn=order.turn(min(index, order.count - 1)), priority=priority)
 
 
 def test_a_link_waits_for_the_slow_link_then_gives_up_on_it():

@@ -28,7 +28,6 @@ last reason.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -44,7 +43,7 @@ from reducer_client.tls import TLSConfig, ssl_context
 from reducer_client.transport.base import Control, NotOffered, Transport, TransportError
 from reducer_client.transport.grpc import MAX_MESSAGE_BYTES, GrpcTransport
 from reducer_client.transport.history import Message, SendHistory, Slot
-from reducer_client.transport.order import Turn
+from reducer_client.transport.order import LinkQueue, Turn
 from reducer_client.transport.tcp import TcpTransport
 
 __all__ = ["DaemonLink", "ReplyHandler", "PendingKey", "real_transports",
@@ -122,7 +121,7 @@ class DaemonLink:
         self._lock = threading.Lock()
         self._pending: dict[PendingKey, _Pending] = {}
         self._history = SendHistory()
-        self._outbox: queue.SimpleQueue[Any] | None = None
+        self._outbox: LinkQueue | None = None
         self._retries = 0
         self._streams_opened = 0
         self._alive_s = time.monotonic()  # when the daemon last answered
@@ -145,11 +144,14 @@ class DaemonLink:
             return self._history.message(slot, nbytes)
 
     def send(self, key: PendingKey, message: Message, handler: ReplyHandler,
-             deadline_s: float = float("inf"), turn: Turn | None = None) -> None:
+             deadline_s: float = float("inf"), turn: Turn | None = None,
+             priority: int = 0) -> None:
         """Queue one encoded shard for the daemon; `handler` gets its reply, or
         the error it failed with (at the latest just after deadline_s). turn:
         its place in its operation's SendOrder (order.py), which its first
-        sending waits for; a resend does not."""
+        sending waits for; a resend does not. priority: the shard's, which
+        puts it before queued shards of a lower one (order.LinkQueue); a
+        resend goes at 0."""
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
@@ -157,7 +159,7 @@ class DaemonLink:
                 self._open_stream()
             assert self._outbox is not None
             self._pending[key] = _Pending(handler, message, deadline_s)
-            self._put(self._outbox, message, turn)
+            self._put(self._outbox, message, turn, priority)
 
     def forget(self, keys: Iterable[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
@@ -179,13 +181,13 @@ class DaemonLink:
 
     # -- the stream -----------------------------------------------------------
 
-    def _put(self, outbox: queue.SimpleQueue[Any], message: Message,
-             turn: Turn | None = None) -> None:
+    def _put(self, outbox: LinkQueue, message: Message, turn: Turn | None = None,
+             priority: int = 0) -> None:
         """Queue `message` (caller holds _lock)."""
         message.queued += 1
-        outbox.put(message if turn is None else (message, turn))
+        outbox.put(message if turn is None else (message, turn), priority)
 
-    def _drain(self, outbox: queue.SimpleQueue[Any]) -> Iterator[memoryview]:
+    def _drain(self, outbox: LinkQueue) -> Iterator[memoryview]:
         """The requests of one stream, on the transport's sender thread. Asking
         for the next item means the transport is done with the previous one
         (and its turn is over, before we wait for the next item)."""
@@ -214,7 +216,7 @@ class DaemonLink:
         reply, the daemon may have lost the last completed round of some chunk
         before every rank had its result, so that round goes out again first.
         """
-        outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        outbox = LinkQueue()
         self._outbox = outbox
         if self._streams_opened:
             for message in self._history.resendable(self._alive_s):
@@ -246,7 +248,7 @@ class DaemonLink:
             return replies
         raise AssertionError("unreachable: the last transport returned or raised")
 
-    def _read(self, outbox: queue.SimpleQueue[Any]) -> None:
+    def _read(self, outbox: LinkQueue) -> None:
         error: ReducerError | None = None
         try:
             for reply in self._open_replies(self._drain(outbox)):
@@ -278,7 +280,7 @@ class DaemonLink:
         else:
             _call(entry.handler, reply, None)
 
-    def _stream_ended(self, outbox: queue.SimpleQueue[Any], error: ReducerError | None,
+    def _stream_ended(self, outbox: LinkQueue, error: ReducerError | None,
                       ) -> None:
         """Resend what is open on a new stream if worth it, else fail it."""
         # A stream the daemon ended with OK while we still waited (it was

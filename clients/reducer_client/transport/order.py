@@ -1,4 +1,5 @@
-"""One operation's chunks leave in step across the daemon links (SendOrder).
+"""In what order a worker's chunks leave: in step across the daemon links
+(SendOrder), the most urgent first on each (LinkQueue).
 
 Each daemon link has its own sender thread, and TCP shares a worker's link
 unevenly among its flows: on the emulated 200 Mbit cluster one worker's flow
@@ -18,13 +19,23 @@ something queued earlier. It cannot stall for long either: a wait lasts at
 most max_wait_s, after which the order gives up for that operation (a link
 reconnecting resends without order), and release() (the operation settled)
 frees every waiter. The order only paces; results never depend on it.
+
+A LinkQueue is a link's outbox: its sender takes the queued chunk of the
+highest priority (Shard.priority; 0 the default) first, in queueing order
+among equals, so a bucket that the next forward needs first overtakes the
+chunks of earlier buckets still queued. The chunks of one operation share
+its priority and so keep their order, and the sender waits for nothing but
+local progress, so priorities cannot deadlock either.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
+from collections import deque
+from typing import Any
 
-__all__ = ["SendOrder", "Turn", "WINDOW_PER_DAEMON", "MAX_WAIT_S"]
+__all__ = ["SendOrder", "Turn", "LinkQueue", "WINDOW_PER_DAEMON", "MAX_WAIT_S"]
 
 # How many chunks of an operation each link may run ahead of the slowest
 # link: one (window = the number of links). On the emulated cluster (N = D =
@@ -112,3 +123,38 @@ class Turn:
 
     def handed(self) -> None:
         self.order.handed(self.index)
+
+
+class LinkQueue:
+    """A link's outbox: get() returns the highest priority first, in put()
+    order among equals (priority 0, the common case, is a plain FIFO)."""
+
+    __slots__ = ("_fifo", "_urgent", "_count", "_cond")
+
+    def __init__(self) -> None:
+        self._fifo: deque[Any] = deque()
+        self._urgent: list[tuple[int, int, Any]] = []  # (-priority, count, item): a heap
+        self._count = 0  # breaks ties in put() order
+        self._cond = threading.Condition(threading.Lock())
+
+    def put(self, item: Any, priority: int = 0) -> None:
+        with self._cond:
+            if priority:
+                heapq.heappush(self._urgent, (-priority, self._count, item))
+                self._count += 1
+            else:
+                self._fifo.append(item)
+            self._cond.notify()
+
+    def get(self) -> Any:
+        """The next item, waiting for one."""
+        with self._cond:
+            while not (self._urgent or self._fifo):
+                self._cond.wait()
+            if self._urgent:
+                return heapq.heappop(self._urgent)[2]
+            return self._fifo.popleft()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._urgent) + len(self._fifo)
