@@ -25,6 +25,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,11 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if host.device.type != "cpu":
         host = host.cpu()  # blocking: the simple path for one-off calls
     return host.to(flat_dtype(host.dtype)).contiguous().numpy()
+
+
+def _priority(priority: int) -> dict[str, Any]:
+    """The keyword for Reducer.allreduce_async: only a priority that is not 0."""
+    return {"priority": priority} if priority else {}
 
 
 def _chain(source: Future, target: Future) -> None:
@@ -123,15 +129,16 @@ class Staging:
             feedback.apply(key, values)
 
     def start(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
-              ) -> Future[np.ndarray]:
+              priority: int = 0) -> Future[np.ndarray]:
         """Start reducing the 1-D tensor `flat` into itself or its key's host buffer.
 
         The future holds the result in NumPy: a view of `flat` (CPU float16,
         float32, float64) or of the key's host buffer; finish() writes it
-        into the tensor where it is not there already.
+        into the tensor where it is not there already. priority: the core's
+        (passed only when not 0, so any Reducer serves the rest).
         """
         if flat.device.type == "cuda":
-            return self._start_cuda(reducer, flat, key, op)
+            return self._start_cuda(reducer, flat, key, op, priority)
         view = numpy_view(flat)
         if view is None:  # bfloat16, or any other non-NumPy layout
             host = self._host_buffer(key, flat.numel(), flat_dtype(flat.dtype),
@@ -139,7 +146,7 @@ class Staging:
             host.copy_(flat.reshape(-1))
             view = host.numpy()
         self._compensate(reducer, key, view)
-        return reducer.allreduce_async(view, key, op, out=view)
+        return reducer.allreduce_async(view, key, op, out=view, **_priority(priority))
 
     def finish(self, result: np.ndarray, out: torch.Tensor, key: str,
                stream: torch.cuda.Stream | None = None) -> None:
@@ -157,7 +164,7 @@ class Staging:
     # -- CUDA ----------------------------------------------------------------
 
     def _start_cuda(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
-                    ) -> Future[np.ndarray]:
+                    priority: int = 0) -> Future[np.ndarray]:
         # Cast to the wire's float16 on the GPU when that is the wire dtype:
         # half the bytes over PCIe, and the same rounding (nearest even) the
         # core would apply on the host.
@@ -184,7 +191,8 @@ class Staging:
             copied.synchronize()
             host = buffer.host.numpy()
             self._compensate(reducer, key, host)
-            _chain(reducer.allreduce_async(host, key, op, out=host), reduced)
+            _chain(reducer.allreduce_async(host, key, op, out=host, **_priority(priority)),
+                   reduced)
 
         def report(done: Future) -> None:
             if done.exception() is not None:

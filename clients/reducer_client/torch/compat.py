@@ -11,7 +11,7 @@ order holds up to backward_passes_per_step (a compression in the third
 place, where our older signature had op, is taken as compression). num_groups
 and groups are accepted: gradients are grouped into buckets of about
 bucket_bytes anyway. sparse_as_dense=True is refused (sparse gradients are
-not supported). Ours on top: bucket_bytes, name, reducer, overlap_forward.
+not supported). Ours on top: bucket_bytes, name, reducer, overlap_forward, prioritize.
 
 Each step begins with a control round (reducer_client.steps), so a rank
 that has called join() can follow the others' steps.
@@ -171,7 +171,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          bucket_bytes: int = _optimizer.DEFAULT_BUCKET_BYTES,
                          name: str | None = None, reducer: Reducer | None = None,
                          overlap_forward: torch.nn.Module | None = None,
-                         ) -> torch.optim.Optimizer:
+                         prioritize: bool = False) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over all ranks.
 
     See reducer_client.torch.optimizer.DistributedOptimizer for how the
@@ -204,7 +204,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         optimizer, named_parameters, op=op, backward_passes_per_step=backward_passes_per_step,
         bucket_bytes=bucket_bytes,
         name=name if name is not None else f"optimizer.{next_index(base, 'optimizer')}",
-        reducer=steps, overlap_forward=overlap_forward)  # type: ignore[arg-type]
+        reducer=steps, overlap_forward=overlap_forward,  # type: ignore[arg-type]
+        prioritize=prioritize)
     if wire is None or wire == base.wire_dtype:
         # The client's staging, so rt.set_error_feedback(..., reducer) reaches these
         # buckets too (an optimizer on another wire keeps its own: feedback on for 8 bits).

@@ -107,11 +107,15 @@ class _GradientReducer:
 
     def __init__(self, reducer: Reducer, named_params: list[tuple[str, torch.Tensor]],
                  op: str, backward_passes_per_step: int, bucket_bytes: int,
-                 prefix: str) -> None:
+                 prefix: str, prioritize: bool = False) -> None:
         self.reducer, self.op = reducer, op
         self.backward_passes_per_step = backward_passes_per_step
         self.staging: Staging = staging_for(reducer)
         self.buckets = _plan_buckets(named_params, bucket_bytes, prefix)
+        # Buckets go in reverse order of the parameters, so bucket i + 1 holds
+        # layers nearer the input: the next forward needs it sooner.
+        self._priorities = {id(b): i + 1 if prioritize else 0
+                            for i, b in enumerate(self.buckets)}
         # id(param) -> (bucket, name); tensors hash by identity anyway.
         self._where = {id(p): (b, n) for b in self.buckets
                        for p, n in zip(b.params, b.names, strict=True)}
@@ -145,7 +149,8 @@ class _GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         with torch.no_grad():
             flat = bucket.fill_flat()
-            bucket.future = self.staging.start(self.reducer, flat, bucket.key, self.op)
+            bucket.future = self.staging.start(self.reducer, flat, bucket.key, self.op,
+                                               self._priorities[id(bucket)])
 
     def in_flight(self) -> bool:
         with self._lock:
@@ -287,7 +292,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, name: str | None = None,
                          *, reducer: Reducer | None = None,
                          overlap_forward: torch.nn.Module | None = None,
-                         ) -> torch.optim.Optimizer:
+                         prioritize: bool = False) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() applies gradients averaged over all workers.
 
     Returns an instance of a subclass of the optimizer's own class that
@@ -312,6 +317,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     buckets are still on the wire (crossing the barrier, overlap.py says
     what changes for the caller). Only for optimizers that update each
     parameter from its own gradient and state (SGD, Adam, ...).
+
+    prioritize=True: each bucket's reduction carries a priority, higher for
+    layers nearer the input (the core's allreduce priority=), so the buckets
+    the next forward needs first overtake earlier ones on the client's links
+    and in the daemons' replies; with overlap_forward that forward starts
+    sooner. Results are the same either way.
     """
     if op not in ("mean", "sum"):
         raise ValueError(f"op {op!r}: one of mean, sum")
@@ -331,7 +342,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     reducer = resolve(reducer)
     distributed._gradients = _GradientReducer(
         reducer, named, op, backward_passes_per_step, bucket_bytes,
-        name if name is not None else f"optimizer.{next_index(reducer, 'optimizer')}")
+        name if name is not None else f"optimizer.{next_index(reducer, 'optimizer')}",
+        prioritize)
     distributed._synchronized = distributed._skip_sync = False
     distributed._overlap = (None if overlap_forward is None else
                             ForwardOverlap(distributed, distributed._gradients, overlap_forward))
