@@ -15,7 +15,7 @@ from reducer_wire.codec import (
 )
 
 FIELDS = ("job", "rank", "world_size", "round", "key", "offset", "dtype", "op", "data",
-          "error_code", "error_message", "layout", "priority")
+          "error_code", "error_message", "layout", "priority", "incarnation")
 _text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=6)
 shards = st.fixed_dictionaries({
     "job": _text, "key": _text, "rank": st.integers(0, (1 << 32) - 1),
@@ -23,7 +23,8 @@ shards = st.fixed_dictionaries({
     "offset": st.integers(0, (1 << 64) - 1), "dtype": st.integers(-(1 << 31), (1 << 31) - 1),
     "op": st.integers(-(1 << 31), (1 << 31) - 1), "data": st.binary(max_size=40),
     "error_code": st.integers(0, (1 << 32) - 1), "error_message": _text,
-    "layout": st.integers(0, (1 << 64) - 1), "priority": st.integers(0, (1 << 32) - 1)})
+    "layout": st.integers(0, (1 << 64) - 1), "priority": st.integers(0, (1 << 32) - 1),
+    "incarnation": st.integers(0, (1 << 64) - 1)})
 
 
 def _as_dict(message):

@@ -43,6 +43,7 @@ class ShardView(NamedTuple):
     error_message: str = ""
     layout: int = 0
     priority: int = 0
+    incarnation: int = 0
 
 
 # field number -> (name, kind); kind: "u32" / "u64" / "enum" varints, "str", "bytes".
@@ -50,7 +51,7 @@ _FIELDS = {1: ("job", "str"), 2: ("rank", "u32"), 3: ("world_size", "u32"),
            4: ("round", "u64"), 5: ("key", "str"), 6: ("offset", "u64"),
            7: ("dtype", "enum"), 8: ("op", "enum"), 9: ("data", "bytes"),
            10: ("error_code", "u32"), 11: ("error_message", "str"), 12: ("layout", "u64"),
-           13: ("priority", "u32")}
+           13: ("priority", "u32"), 14: ("incarnation", "u64")}
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -156,7 +157,7 @@ class ShardEncoder:
     def __init__(self, *, job: str, key: str, rank: int = 0, world_size: int = 0,
                  round: int = 0, offset: int = 0, dtype: int = 0, op: int = 0,
                  data_nbytes: int = 0, error_code: int = 0, error_message: str = "",
-                 layout: int = 0, priority: int = 0) -> None:
+                 layout: int = 0, priority: int = 0, incarnation: int = 0) -> None:
         if data_nbytes < 0:
             raise ValueError(f"data_nbytes must be >= 0, got {data_nbytes}")
         head = bytearray()
@@ -167,7 +168,7 @@ class ShardEncoder:
             _put_varint(head, data_nbytes)
         tail = bytearray()
         _put_fields(tail, ((10, error_code), (11, error_message), (12, layout),
-                           (13, priority)))
+                           (13, priority), (14, incarnation)))
         self._head, self._tail = bytes(head), bytes(tail)
         self.data_nbytes = data_nbytes
         self.nbytes = len(head) + data_nbytes + len(tail)
@@ -198,12 +199,14 @@ class ShardEncoder:
 def encode_shard(*, job: str, key: str, rank: int = 0, world_size: int = 0, round: int = 0,
                  offset: int = 0, dtype: int = 0, op: int = 0,
                  data: bytes | memoryview = b"", error_code: int = 0,
-                 error_message: str = "", layout: int = 0, priority: int = 0) -> bytes:
+                 error_message: str = "", layout: int = 0, priority: int = 0,
+                 incarnation: int = 0) -> bytes:
     """Serialize a Shard exactly as the generated code does (fields in number order)."""
     return ShardEncoder(job=job, key=key, rank=rank, world_size=world_size, round=round,
                         offset=offset, dtype=dtype, op=op, data_nbytes=memoryview(data).nbytes,
                         error_code=error_code, error_message=error_message,
-                        layout=layout, priority=priority).join(data)
+                        layout=layout, priority=priority,
+                        incarnation=incarnation).join(data)
 
 
 def encode_shard_into(out: bytearray | memoryview | object, *, job: str, key: str,

@@ -34,7 +34,7 @@ REDUCE_OP_SUM: ReduceOp
 REDUCE_OP_MEAN: ReduceOp
 
 class Shard(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "round", "key", "offset", "dtype", "op", "data", "error_code", "error_message", "layout", "priority")
+    __slots__ = ("job", "rank", "world_size", "round", "key", "offset", "dtype", "op", "data", "error_code", "error_message", "layout", "priority", "incarnation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Shard(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
@@ -61,7 +62,8 @@ class Shard(_message.Message):
     error_message: str
     layout: int
     priority: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., round: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., data: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., layout: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., round: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., data: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., layout: _Optional[int] = ..., priority: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job", "brief")
