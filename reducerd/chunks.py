@@ -14,6 +14,7 @@ import numpy as np
 from reducer_wire import dtypes
 from reducer_wire.dtypes import DTYPE_NAMES, OP_NAMES
 
+from reducerd.incarnations import JobIncarnations
 from reducerd.replies import Reply
 
 __all__ = ["ChunkId", "Contribution", "Delivery", "JobStats", "OpenChunk", "CachedResult",
@@ -41,6 +42,7 @@ class Contribution:
     op: int
     data: bytes | memoryview  # a view into the received message
     layout: int = 0  # the sender's layout fingerprint (0: not checked)
+    incarnation: int = 0  # the sending client instance's id (0: an old client)
 
     @property
     def numel(self) -> int:
@@ -87,6 +89,8 @@ class JobStats:
     # The layout fingerprint of the job's open chunks and the rank that set it.
     layout: int = 0
     layout_rank: int = 0
+    # The client instance each rank last contributed with (reducerd.incarnations).
+    incarnations: JobIncarnations = field(default_factory=JobIncarnations)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
 
-from reducerd import accumulate
+from reducerd import accumulate, incarnations
 from reducerd.chunk_sums import PooledSums, narrow_result
 from reducerd.chunks import (
     CachedResult,
@@ -163,6 +163,9 @@ class ReductionTable:
         job = self.jobs.get(chunk.job)
         if job is None:
             job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
+        answer = incarnations.admit(self, chunk, part, sink, job) if part.incarnation else None
+        if answer is not None:  # refused, or the job restarted (reducerd.incarnations)
+            return answer
         if len(job.world_sizes) < WORLD_SIZES_KEPT:
             job.world_sizes.add(part.world_size)
         job.bytes_in += len(part.data)

@@ -241,7 +241,7 @@ class Session:
             self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
         cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
         part = Contribution(shard.rank, shard.world_size, shard.dtype, shard.op,
-                            shard.data, shard.layout)
+                            shard.data, shard.layout, shard.incarnation)
         stream.waiting.add(cid)
         if shard.priority:
             stream.priorities[cid] = shard.priority

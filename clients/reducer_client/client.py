@@ -10,6 +10,7 @@ carries the chunks, each narrowed straight into the buffer of its message.
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -75,6 +76,9 @@ class ReducerClient:
     must be node-major (node = rank // local_size) unless node_rank (default
     REDUCER_NODE_RANK) names the node. node_local=False (or
     REDUCER_NODE_LOCAL=0) turns it off. rank and world_size stay the worker's.
+    incarnation: this instance's random non-zero id in every shard (the node's,
+    from its local rank 0, under node-local aggregation), so that a job restarted
+    under its job id never gets an earlier incarnation's sums (contract section 2).
 
     environ: where the defaults above come from (and REDUCER_WIRE_NUMPY=1,
     conversions in NumPy instead of C): os.environ unless given; from_env(m)
@@ -132,7 +136,9 @@ class ReducerClient:
         self._lock = threading.Lock()
         self._rounds: dict[str, int] = defaultdict(int)
         self._closed = False
+        self.incarnation = secrets.randbits(64) or 1  # Shard.incarnation
         self._node = self._node_group(local_rank, local_size, node_local, node_rank, environ)
+        self.incarnation = self._node.incarnation if self._node else self.incarnation
         self._inflight = InFlight(self._timeout_error,
                                   self._node.check_deadlines if self._node else None)
 
@@ -153,7 +159,8 @@ class ReducerClient:
         try:
             topology = node_topology(self.rank, self.world_size, local_rank, local_size,
                                      node_rank)
-            return NodeGroup(self.job, topology, self.timeout, self._send_slice)
+            return NodeGroup(self.job, topology, self.timeout, self._send_slice,
+                             self.incarnation)
         except BaseException:
             for link in self._links:
                 link.close()
@@ -335,7 +342,7 @@ class ReducerClient:
                                        round=round_, key=key, offset=chunk.offset,
                                        dtype=dtype, op=op, layout=self._layouts[chunk.daemon],
                                        data_nbytes=dtypes.wire_nbytes(dtype, chunk.numel),
-                                       priority=priority)
+                                       priority=priority, incarnation=self.incarnation)
                 message = link.message((key, chunk.offset), encoder.nbytes)
                 payload = encoder.write_into(message.shard)
                 if values is None:

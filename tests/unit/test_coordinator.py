@@ -41,11 +41,15 @@ class Peer:
         self.sock.close()
 
 
+NODE_INCARNATION = (1 << 64) - 5  # a 64-bit id survives the JSON line exactly
+
+
 @pytest.fixture
 def node():
     """A coordinator for 2 local workers of 1 node, and a factory of joined peers."""
     job = f"unit-coord-{os.getpid()}-{next(_jobs)}"
-    coordinator = Coordinator(job, 0, local_size=2, nodes=1, timeout_s=0.5)
+    coordinator = Coordinator(job, 0, local_size=2, nodes=1, timeout_s=0.5,
+                              incarnation=NODE_INCARNATION)
     peers = []
 
     def peer(local_rank, local_size=2, nodes=1, welcome=True):
@@ -53,7 +57,7 @@ def node():
         peers.append(p)
         p.send("hello", local_rank, local_size, nodes)
         if welcome:
-            assert p.next() == ["welcome"]
+            assert p.next() == ["welcome", NODE_INCARNATION]  # what its shards carry
         return p
 
     yield job, coordinator, peer

@@ -4,7 +4,7 @@ Local rank 0 runs it on a thread; every local worker (rank 0 included) talks to
 it over a Unix stream socket, one JSON message per line. The data never
 crosses the socket, only these messages (worker -> coordinator):
 
-    ["hello", local_rank, local_size, nodes]   -> ["welcome"] or ["abort", why]
+    ["hello", local_rank, local_size, nodes]   -> ["welcome", incarnation] or ["abort", why]
     ["join", key, round, signature]            -> ["seg", key, round, name] or ["fail", ...]
     ["wrote", key, round]      input written;  all wrote -> ["go", key, round] to all
     ["done", key, round]       slice reduced;  all done  -> ["result", key, round] to all
@@ -85,9 +85,11 @@ class Coordinator:
     """Serve one node's local workers; started by local rank 0's client."""
 
     def __init__(self, job: str, node: int, local_size: int, nodes: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, incarnation: int = 0) -> None:
         self.job, self.node, self.local_size, self.nodes = job, node, local_size, nodes
         self.timeout_s = timeout_s
+        # The node's Shard.incarnation, which every local worker sends as the node's.
+        self.incarnation = incarnation
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         address = socket_address(job, node)
         try:
@@ -253,7 +255,7 @@ class Coordinator:
             return
         peer["rank"] = local_rank
         self._ranks[local_rank] = conn
-        self._send(conn, ["welcome"])
+        self._send(conn, ["welcome", self.incarnation])
 
     def _join(self, rank: int, key: str, round_: int, signature: list[Any]) -> None:
         op = self._ops.get((key, round_))

@@ -101,12 +101,12 @@ class NodeGroup:
     """This worker's part in its node's aggregation (local rank 0 also coordinates)."""
 
     def __init__(self, job: str, topology: NodeTopology, timeout_s: float,
-                 send_slice: SliceSender) -> None:
+                 send_slice: SliceSender, incarnation: int = 0) -> None:
         self.job, self.topology, self.timeout_s = job, topology, timeout_s
         self._send_slice = send_slice
         self._prefix = segment_prefix(job, topology.node)
         self._coordinator = (Coordinator(job, topology.node, topology.local_size,
-                                         topology.nodes, timeout_s)
+                                         topology.nodes, timeout_s, incarnation)
                              if topology.local_rank == 0 else None)
         # _lock guards _ops, _segments and _dead (caller threads, the reader
         # thread, the link threads finishing a slice, the client's watchdog).
@@ -230,6 +230,7 @@ class NodeGroup:
         if message[0] != "welcome":
             sock.close()
             raise ReducerError(grpc.StatusCode.FAILED_PRECONDITION, message[1])
+        self.incarnation = int(message[1]) if len(message) > 1 else 0  # the node's: rank 0's
         return sock
 
     def _send(self, message: list[Any]) -> None:
