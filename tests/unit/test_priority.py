@@ -141,3 +141,16 @@ def test_client_refuses_a_bad_priority_before_sending():
         for bad in (-1, 1 << 32, 1.5):
             with pytest.raises(ValueError, match="priority"):
                 client.allreduce_async(np.ones(2, np.float32), "k", priority=bad)
+
+
+def test_link_queue_puts_back_at_the_head_of_a_priority():
+    q = LinkQueue()
+    for item, priority in (("a", 0), ("b", 0), ("x", 3), ("y", 3)):
+        q.put(item, priority)
+    assert q.urgent_beyond(0) and q.urgent_beyond(2) and not q.urgent_beyond(3)
+    assert q.get() == "x"
+    q.put("x", 3, front=True)  # a sender puts back what it took
+    q.put("z", 3)
+    q.put("c", 0, front=True)
+    assert [q.get() for _ in range(6)] == ["x", "y", "z", "c", "a", "b"]
+    assert not q.urgent_beyond(0)

@@ -162,3 +162,48 @@ def test_a_link_waits_for_the_slow_link_then_gives_up_on_it():
         finally:
             for link in links:
                 link.close()
+
+
+def test_a_turn_waits_in_slices_and_gives_up_past_max_wait():
+    order = SendOrder(4, window=1, max_wait_s=0.1)
+    turn = order.turn(2)
+    assert not turn.wait(0.02) and not order.released  # not its turn yet, not given up
+    assert 0.015 < turn.waited_s < 0.1
+    while not turn.wait(0.02):
+        pass
+    assert order.released and turn.waited_s >= 0.1  # gave up after max_wait_s in all
+    order = SendOrder(4, window=1, max_wait_s=5.0)
+    turn = order.turn(1)
+    order.handed(0)
+    assert turn.wait(0.0)
+
+
+def test_a_sender_held_by_a_turn_lets_a_more_urgent_chunk_go_first():
+    """Link B has sent chunk 1 of a priority-0 operation and waits for chunk
+    3's turn (chunk 0 is held on link A). A priority-5 chunk queued on B goes
+    at once, then chunk 3 goes back to waiting; once A moves on, B follows."""
+    daemon = FakeDaemon()
+    held, free = _HeldTransport(flowing=False), _HeldTransport(flowing=True)
+    links = [DaemonLink("a:1", control=daemon, transports=[held]),
+             DaemonLink("b:1", control=daemon, transports=[free])]
+    try:
+        order = SendOrder(6, window=2, max_wait_s=10.0)
+        for index in range(6):
+            _send(links[index % 2], order, index)
+        time.sleep(0.1)
+        assert free.taken == [1]
+        start = time.monotonic()
+        _send(links[1], SendOrder(1, window=1), 99, priority=5)
+        while len(free.taken) < 2 and time.monotonic() - start < 2:
+            time.sleep(0.002)
+        assert free.taken == [1, 99] and time.monotonic() - start < 0.5
+        time.sleep(0.05)
+        assert free.taken == [1, 99]  # chunk 3 still waits for its turn
+        held.flowing.set()
+        deadline = time.monotonic() + 5
+        while len(free.taken) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert free.taken == [1, 99, 3, 5] and not order.released
+    finally:
+        for link in links:
+            link.close()

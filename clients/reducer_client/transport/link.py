@@ -56,6 +56,8 @@ PendingKey = tuple[str, int, int]
 # Called on the reader thread with the reply, or with None and an error.
 ReplyHandler = Callable[[ShardView | None, ReducerError | None], None]
 _CLOSE = object()
+# How often a sender waiting for a chunk's turn looks for a more urgent chunk.
+_TURN_SLICE_S = 0.002
 # Backoff between stream attempts: 0, 50 ms, 100 ms, ... up to 1 s.
 _FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
 
@@ -185,7 +187,7 @@ class DaemonLink:
              priority: int = 0) -> None:
         """Queue `message` (caller holds _lock)."""
         message.queued += 1
-        outbox.put(message if turn is None else (message, turn), priority)
+        outbox.put(message if turn is None else (message, turn, priority), priority)
 
     def _drain(self, outbox: LinkQueue) -> Iterator[memoryview]:
         """The requests of one stream, on the transport's sender thread. Asking
@@ -204,8 +206,10 @@ class DaemonLink:
             if item is _CLOSE:
                 return
             if isinstance(item, tuple):
-                item, turn = item
-                turn.wait()
+                if not _await_turn(outbox, item[1], item[2]):
+                    outbox.put(item, item[2], front=True)  # a more urgent one goes first
+                    continue
+                item, turn, _ = item
             previous = item
             yield item.frame
 
@@ -344,6 +348,15 @@ class DaemonLink:
                             len(self._pending), len(self._history))
             for entry in self._pending.values():
                 self._put(self._outbox, entry.message)
+
+
+def _await_turn(outbox: LinkQueue, turn: Turn, priority: int) -> bool:
+    """Wait for the turn; False as soon as a chunk more urgent than this one
+    (of `priority`) is queued behind it, which should go first."""
+    while not turn.wait(_TURN_SLICE_S):
+        if outbox.urgent_beyond(priority):
+            return False
+    return True
 
 
 def _call(handler: ReplyHandler, reply: ShardView | None, error: ReducerError | None,

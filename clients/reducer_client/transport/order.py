@@ -24,14 +24,17 @@ A LinkQueue is a link's outbox: its sender takes the queued chunk of the
 highest priority (Shard.priority; 0 the default) first, in queueing order
 among equals, so a bucket that the next forward needs first overtakes the
 chunks of earlier buckets still queued. The chunks of one operation share
-its priority and so keep their order, and the sender waits for nothing but
-local progress, so priorities cannot deadlock either.
+its priority and so keep their order. A sender waiting for a chunk's turn
+puts it back at the head of its priority when a more urgent chunk is queued
+(link.py), so an operation's order never holds back a more urgent one; the
+sender waits for nothing but local progress, so priorities cannot deadlock.
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -80,16 +83,19 @@ class SendOrder:
     def _may_go(self, index: int) -> bool:
         return index - self.window < self._frontier or self._released
 
-    def wait(self, index: int) -> bool:
-        """Block until chunk `index` may go; False if the wait gave up (after
-        max_wait_s, which also releases the order)."""
+    def wait(self, index: int, timeout_s: float | None = None) -> bool:
+        """Block until chunk `index` may go, at most timeout_s; whether it may.
+        Without timeout_s: at most max_wait_s, after which the order gives up
+        (released: a link is stuck, stop pacing this operation)."""
         if self._may_go(index):  # the common case: no lock
             return True
         with self._cond:
-            if self._cond.wait_for(lambda: self._may_go(index), self.max_wait_s):
+            limit_s = self.max_wait_s if timeout_s is None else timeout_s
+            if self._cond.wait_for(lambda: self._may_go(index), limit_s):
                 return True
-            self._released = True  # a link is stuck: stop pacing this operation
-            self._cond.notify_all()
+            if timeout_s is None:
+                self._released = True
+                self._cond.notify_all()
             return False
 
     def handed(self, index: int) -> None:
@@ -113,13 +119,25 @@ class SendOrder:
 class Turn:
     """Chunk `index` of a SendOrder: what a link's outbox carries beside the message."""
 
-    __slots__ = ("order", "index")
+    __slots__ = ("order", "index", "waited_s")
 
     def __init__(self, order: SendOrder, index: int) -> None:
         self.order, self.index = order, index
+        self.waited_s = 0.0  # over every wait() of this turn
 
-    def wait(self) -> bool:
-        return self.order.wait(self.index)
+    def wait(self, slice_s: float | None = None) -> bool:
+        """Whether the chunk may go, having waited at most slice_s more (None:
+        until it may). Past max_wait_s in all, the order gives up: True."""
+        order = self.order
+        left_s = order.max_wait_s - self.waited_s
+        start_s = time.monotonic()
+        if order.wait(self.index, max(0.0, left_s if slice_s is None else min(slice_s, left_s))):
+            return True
+        self.waited_s += time.monotonic() - start_s
+        if self.waited_s < order.max_wait_s:
+            return False
+        order.release()
+        return True
 
     def handed(self) -> None:
         self.order.handed(self.index)
@@ -129,22 +147,34 @@ class LinkQueue:
     """A link's outbox: get() returns the highest priority first, in put()
     order among equals (priority 0, the common case, is a plain FIFO)."""
 
-    __slots__ = ("_fifo", "_urgent", "_count", "_cond")
+    __slots__ = ("_fifo", "_urgent", "_count", "_front", "_cond")
 
     def __init__(self) -> None:
         self._fifo: deque[Any] = deque()
         self._urgent: list[tuple[int, int, Any]] = []  # (-priority, count, item): a heap
         self._count = 0  # breaks ties in put() order
+        self._front = 0  # below every count: put back at the head of a priority
         self._cond = threading.Condition(threading.Lock())
 
-    def put(self, item: Any, priority: int = 0) -> None:
+    def put(self, item: Any, priority: int = 0, front: bool = False) -> None:
+        """Queue `item`; front: before the others of its priority (put back)."""
         with self._cond:
             if priority:
-                heapq.heappush(self._urgent, (-priority, self._count, item))
+                if front:
+                    self._front -= 1
+                count = self._front if front else self._count
+                heapq.heappush(self._urgent, (-priority, count, item))
                 self._count += 1
+            elif front:
+                self._fifo.appendleft(item)
             else:
                 self._fifo.append(item)
             self._cond.notify()
+
+    def urgent_beyond(self, priority: int) -> bool:
+        """Whether an item of a higher priority than `priority` is queued."""
+        with self._cond:
+            return bool(self._urgent) and -self._urgent[0][0] > priority
 
     def get(self) -> Any:
         """The next item, waiting for one."""
