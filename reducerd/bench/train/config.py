@@ -24,6 +24,7 @@ __all__ = ["TRAIN_SYSTEMS", "DEFAULT_SYSTEMS", "Accelerator", "TrainConfig", "la
 
 # Every system the training bench knows, in run order.
 TRAIN_SYSTEMS = ("reducerd-ddp", "reducerd-optimizer", "reducerd-optimizer-xbar",
+                 "reducerd-optimizer-priority", "reducerd-optimizer-xbar-priority",
                  "gloo-ddp-float32", "gloo-ddp-float16")
 DEFAULT_SYSTEMS = TRAIN_SYSTEMS
 # DDP's default bucket_cap_mb (25 MiB), which the DistributedOptimizer's

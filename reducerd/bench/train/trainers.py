@@ -4,6 +4,7 @@
                              is Gloo, used only for DDP's start-up broadcast)
     reducerd-optimizer       rt.DistributedOptimizer around SGD, no DDP
     reducerd-optimizer-xbar  the same with overlap_forward=model (crossing the barrier)
+    reducerd-optimizer(-xbar)-priority  the same two with prioritize=True
     gloo-ddp-float32         DDP over Gloo, its built-in allreduce
     gloo-ddp-float16         DDP over Gloo with torch's fp16_compress_hook
 
@@ -129,8 +130,10 @@ class OptimizerTrainer(Trainer):
 
         self.reducer = _reducer(spec)
         rt.broadcast_parameters(model.state_dict(), root_rank=0, reducer=self.reducer)
-        extra = ({"overlap_forward": model}
-                 if spec["system"] == "reducerd-optimizer-xbar" else {})
+        system = spec["system"]
+        extra: dict[str, Any] = {"prioritize": system.endswith("-priority")}
+        if "-xbar" in system:
+            extra["overlap_forward"] = model
         self.opt = rt.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=spec["lr"]),
             named_parameters=model.named_parameters(), bucket_bytes=spec["bucket_bytes"],
@@ -146,6 +149,6 @@ def make_trainer(model: ModeledModel, spec: dict[str, Any]) -> Trainer:
     system = spec["system"]
     if system in ("reducerd-ddp", "gloo-ddp-float32", "gloo-ddp-float16"):
         return DDPTrainer(model, spec)
-    if system in ("reducerd-optimizer", "reducerd-optimizer-xbar"):
+    if system.startswith("reducerd-optimizer"):
         return OptimizerTrainer(model, spec)
     raise ValueError(f"unknown training system {system!r}")
