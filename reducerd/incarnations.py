@@ -17,7 +17,9 @@ an era, the incarnation it serves:
   restarted. A new era begins: every open chunk of the job fails for its
   streams with FAILED_PRECONDITION (its contributions are the earlier
   incarnation's), the job's cached results and failures are dropped, and
-  the contribution opens its round anew;
+  the contribution opens its round anew (with summing threads, a round of
+  the earlier incarnation complete but still being summed fails too: it
+  may not land in the cache the new incarnation reads);
 - a new id from a rank recorded in an earlier era: that rank has joined the
   new incarnation (another rank began its era); nothing is dropped, since
   the era holds only what new instances sent;

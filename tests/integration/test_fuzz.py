@@ -47,7 +47,10 @@ shards = st.builds(
     key=st.sampled_from(["", "a", "b"]) | _text,
     offset=st.sampled_from([0, 1, 7, (1 << 63) - 1, (1 << 64) - 1]),
     dtype=st.integers(0, 5), op=st.integers(0, 4),
-    data=st.binary(max_size=64) | st.sampled_from([b"\0\0", b"\0\0\0\0" * 3, b"\x7c\x00"]))
+    data=st.binary(max_size=64) | st.sampled_from([b"\0\0", b"\0\0\0\0" * 3, b"\x7c\x00"]),
+    # One client instance or an old client (0): never a restart, whose rules
+    # tests/unit/test_incarnations.py checks; here the field travels both paths.
+    incarnation=st.sampled_from([0, (1 << 64) - 1]))
 
 _ITEMSIZE = {pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_FLOAT32: 4}
 
@@ -60,7 +63,8 @@ def rounds(draw):
     dtype = draw(st.sampled_from(sorted(_ITEMSIZE)))
     base = dict(job=draw(st.sampled_from(["r", "r2"])), key=draw(st.sampled_from(["a", "b"])),
                 round=draw(st.integers(0, 1)), offset=draw(st.sampled_from([0, 8])),
-                dtype=dtype, op=draw(st.integers(0, 2)), world_size=draw(st.integers(1, 3)))
+                dtype=dtype, op=draw(st.integers(0, 2)), world_size=draw(st.integers(1, 3)),
+                incarnation=draw(st.sampled_from([0, (1 << 64) - 1])))
     numel = draw(st.integers(1, 8))
     values = st.floats(-70000, 70000, width=32) | st.sampled_from(
         [np.inf, -np.inf, np.nan, -0.0, 65504.0, 1e-7])
