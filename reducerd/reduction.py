@@ -350,8 +350,9 @@ class ReductionTable:
                          job: JobStats) -> list[Delivery]:
         """Fail the job's open chunks: its ranks disagree on the daemon list."""
         message = (f"job {cid.job!r}: rank {part.rank} and rank {job.layout_rank} disagree "
-                   "on the chunk layout (the daemon list, its order, or chunk_bytes); give "
-                   "every worker the same REDUCER_ADDRESSES in the same order")
+                   "on the chunk layout (the daemon list, its order, chunk_bytes, or a "
+                   "client version that cuts keys by another rule); give every worker the "
+                   "same REDUCER_ADDRESSES in the same order and the same reducer_client")
         deliveries = [self._fail(open_id, INVALID_ARGUMENT, message, tuple(c.sinks))
                       for open_id, c in list(self._open.items()) if open_id.job == cid.job]
         if cid in self._open or cid in self._failed:
