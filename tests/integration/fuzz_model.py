@@ -269,7 +269,14 @@ def mismatches(model: StreamModel, code: grpc.StatusCode, replies: list[bytes],
     if client_race:
         expected = model.replies[:len(replies)]
     else:
-        expected = model.replies
+        # Replies of different chunks may come in any order (contract section 2;
+        # with summing threads two rounds of one key finish on two threads);
+        # those of one chunk keep theirs. A stable sort by chunk pairs them up.
+        def chunk(shard: pb.Shard) -> tuple[str, int, int]:
+            return shard.key, shard.round, shard.offset
+
+        replies = sorted(replies, key=lambda raw: chunk(pb.Shard.FromString(raw)))
+        expected = sorted(model.replies, key=lambda want: chunk(want.shard))
     if len(replies) != len(expected):
         problems.append(f"{len(replies)} replies, expected {len(expected)}")
     for got_bytes, want in zip(replies, expected, strict=False):
