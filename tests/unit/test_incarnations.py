@@ -269,3 +269,24 @@ def test_each_client_instance_puts_its_own_random_id_in_every_shard(monkeypatch)
     finally:
         for c in clients:
             c.close()
+
+
+def test_the_eras_own_id_outside_its_world_is_no_restart():
+    """A rank first seen outside the world, with an id a rank of the era
+    already holds, is that instance at a disagreeing world size: the chunk
+    fails with INVALID_ARGUMENT as without ids, and nothing restarts."""
+    table = ReductionTable(60, 1 << 30)
+    assert table.contribute(cid(), part(1, 1, OLD[0]), "a") == []
+    (failed,) = table.contribute(cid(), part(2, 2, OLD[0], world_size=3), "b")
+    assert failed.error_code == "INVALID_ARGUMENT" and "world_size" in failed.error_message
+    assert set(failed.sinks) == {"a", "b"}
+    assert table.jobs["J"].incarnations.era == 0
+
+
+def test_a_new_id_outside_the_world_is_a_restart_at_the_larger_size():
+    table = ReductionTable(60, 1 << 30)
+    assert table.contribute(cid(), part(1, 1, OLD[1]), "old1") == []
+    (failed,) = table.contribute(cid(), part(2, 2, NEW[2], world_size=3), "new2")
+    assert failed.error_code == "FAILED_PRECONDITION" and failed.sinks == ("old1",)
+    assert "outside the world of 2" in failed.error_message
+    assert table.jobs["J"].incarnations.era == 1
