@@ -2,12 +2,14 @@
 
 One Reducer per process, shared by reducer_client.torch, .tensorflow and
 .mxnet (a process trains with one framework, and one client keeps the round
-counters of its keys in one place). As Horovod's HorovodBasics is rebound in
-each framework module, each shim makes one `Basics(shim_name)` and rebinds
-its methods as the module's functions:
+counters of its keys in one place). As Horovod binds one HorovodBasics
+object into each framework module, each shim makes one `Basics(shim_name)`
+and binds the functions of `shim_basics` (in the order of BASICS_NAMES) as
+its own:
 
     _basics = Basics("reducer_client.torch")
-    init, shutdown, rank, size = _basics.init, _basics.shutdown, _basics.rank, _basics.size
+    (init, shutdown, is_initialized, client, rank, size, local_rank, local_size,
+     cross_rank, cross_size, is_homogeneous) = shim_basics(_basics)
 
 Every Basics works on the same process-wide client; the shim's name only
 goes into its error messages. Nothing else in the package holds a client.
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from reducer_client.api import Reducer
+from reducer_client.horovod import bind_basics
 
-__all__ = ["Basics"]
+__all__ = ["BASICS_NAMES", "Basics", "ShimBasics", "shim_basics"]
 
 
 class _ProcessClient:
@@ -140,3 +144,40 @@ class Basics:
     def local_size(self) -> int:
         """The number of workers on this worker's host (1 when not known)."""
         return self.client().local_size
+
+
+class ShimBasics(NamedTuple):
+    """The process-wide functions every shim exports, bound to its Basics.
+
+    A tuple, so a shim binds them all in one statement that static analysis
+    still reads (each name a plain module attribute); its field names are
+    BASICS_NAMES, in the order the shims unpack them.
+    """
+
+    init: Callable[..., Reducer]
+    shutdown: Callable[[], None]
+    is_initialized: Callable[[], bool]
+    client: Callable[[], Reducer]
+    rank: Callable[[], int]
+    size: Callable[[], int]
+    local_rank: Callable[[], int]
+    local_size: Callable[[], int]
+    cross_rank: Callable[[], int]
+    cross_size: Callable[[], int]
+    is_homogeneous: Callable[[], bool]
+
+
+BASICS_NAMES: tuple[str, ...] = ShimBasics._fields
+
+
+def shim_basics(basics: Basics) -> ShimBasics:
+    """The shim's public basics: Basics' own, plus Horovod's init (which also
+    records elastic's settings and says where the default wire differs from
+    Horovod's), cross_rank, cross_size and is_homogeneous."""
+    horovod = bind_basics(basics)
+    return ShimBasics(
+        init=horovod["init"], shutdown=basics.shutdown, is_initialized=basics.is_initialized,
+        client=basics.client, rank=basics.rank, size=basics.size,
+        local_rank=basics.local_rank, local_size=basics.local_size,
+        cross_rank=horovod["cross_rank"], cross_size=horovod["cross_size"],
+        is_homogeneous=horovod["is_homogeneous"])

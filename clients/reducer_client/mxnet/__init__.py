@@ -60,7 +60,6 @@ from reducer_client.horovod import (
     Min,
     Product,
     Sum,
-    bind_basics,
     ccl_built,
     cuda_built,
     ddl_built,
@@ -87,21 +86,13 @@ from reducer_client.mxnet.compat import (
     grouped_allreduce_,
 )
 from reducer_client.mxnet.kvstore import DEFAULT_FUSION_BYTES, Reducer
+from reducer_client.process import shim_basics
 
-# Bound once in reducer_client.process, as Horovod binds its basics; init
-# also says (once, on rank 0) where the default wire differs from Horovod's.
-_horovod_basics = bind_basics(_basics)
-init = _horovod_basics["init"]
-cross_rank = _horovod_basics["cross_rank"]
-cross_size = _horovod_basics["cross_size"]
-is_homogeneous = _horovod_basics["is_homogeneous"]
-shutdown = _basics.shutdown
-is_initialized = _basics.is_initialized
-client = _basics.client
-rank = _basics.rank
-size = _basics.size
-local_rank = _basics.local_rank
-local_size = _basics.local_size
+# Bound once in reducer_client.process, as Horovod binds its basics into each
+# framework module; init also says (once, on rank 0) where the default wire
+# differs from Horovod's.
+(init, shutdown, is_initialized, client, rank, size, local_rank, local_size,
+ cross_rank, cross_size, is_homogeneous) = shim_basics(_basics)
 
 __all__ = ["Reducer", "DistributedTrainer", "DEFAULT_FUSION_BYTES", "ReducerError", "init",
            "shutdown", "is_initialized", "client", "rank", "size", "local_rank",
