@@ -1,31 +1,36 @@
-"""Sizes (1K, 64M, 1G: binary units) and link rates (tc's syntax), parsed and printed."""
+"""Sizes (1K, 64M, 1G: binary units) and link rates (tc's syntax), parsed and printed.
+
+The grammar of rates, delays and sizes is reducerd.units', shared with
+`reducerd plan`; a rate here is handed to tc as written, so only tc's own
+syntax reads (200mbit, not "200 Mbit/s").
+"""
 
 from __future__ import annotations
 
-import re
+from reducerd.units import parse_bytes
+from reducerd.units import parse_rate as _parse_rate
+from reducerd.units import parse_time as _parse_time
 
 __all__ = ["parse_size", "parse_sizes", "parse_rate", "parse_time", "format_size",
            "format_bytes", "format_ms"]
 
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_SIZE_RE = re.compile(r"^(\d+)\s*([KMG]?)(?:I?B)?$", re.IGNORECASE)
-
-# tc(8): bit/kbit/mbit/gbit/tbit are bits per second in SI units, the "i"
-# forms are binary, and bps/kbps/... are *bytes* per second.
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([a-z]*)$", re.IGNORECASE)
-_RATE_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-                "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-_TIME_RE = re.compile(r"^(\d+(?:\.\d+)?)(s|sec|ms|msec|us|usec)?$", re.IGNORECASE)
-_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
-
 
 def parse_size(text: str) -> int:
-    """'64M' -> 67108864 bytes (K, M, G are powers of 1024; an optional B/iB)."""
-    match = _SIZE_RE.match(text.strip())
-    if not match:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit K, M or G "
-                         "(e.g. 1K, 64M)")
-    return int(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
+    """'64M' -> 67108864 bytes (reducerd.units.parse_bytes: K, M, G are powers of 1024)."""
+    nbytes = parse_bytes(text)
+    if not nbytes.is_integer():
+        raise ValueError(f"size {text!r}: {nbytes} bytes is not a whole number of bytes")
+    return int(nbytes)
+
+
+def parse_rate(text: str) -> float:
+    """A rate in tc's syntax ('200mbit', '1gbit', '10mbps') -> bytes per second."""
+    return _parse_rate(text, tc_only=True)
+
+
+def parse_time(text: str) -> float:
+    """A delay ('2ms', '500us', '0.1s') -> seconds."""
+    return _parse_time(text, what="delay")
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -58,31 +63,6 @@ def parse_sizes(text: str) -> list[int]:
             raise ValueError(f"size {size} bytes: must be a positive multiple of 4 "
                              "(whole float32 elements)")
     return sorted(set(sizes))
-
-
-def parse_rate(text: str) -> float:
-    """A rate in tc's syntax ('200mbit', '1gbit', '10mbps') -> bytes per second."""
-    match = _RATE_RE.match(text.strip())
-    unit = match.group(2).lower() if match else ""
-    if unit.endswith("bit"):
-        prefix, scale = unit[:-3], 1 / 8
-    elif unit.endswith("bps"):
-        prefix, scale = unit[:-3], 1.0
-    elif unit == "":
-        prefix, scale = "", 1 / 8  # a bare number is bits per second in tc
-    else:
-        prefix, scale = None, 0.0
-    if not match or prefix not in _RATE_PREFIX or float(match.group(1)) <= 0:
-        raise ValueError(f"rate {text!r}: expected tc's syntax, e.g. 200mbit, 1gbit, 10mbps")
-    return float(match.group(1)) * _RATE_PREFIX[prefix] * scale
-
-
-def parse_time(text: str) -> float:
-    """A delay in tc's syntax ('2ms', '500us', '0.1s') -> seconds."""
-    match = _TIME_RE.match(text.strip())
-    if not match:
-        raise ValueError(f"delay {text!r}: expected e.g. 2ms, 500us, 0.1s")
-    return float(match.group(1)) * _TIME_UNITS[(match.group(2) or "s").lower()]
 
 
 def format_size(nbytes: int) -> str:
