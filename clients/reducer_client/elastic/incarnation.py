@@ -98,14 +98,15 @@ class IncarnationReducer:
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
                         out: np.ndarray | None = None, wire_dtype: str | None = None,
-                        ) -> Future[np.ndarray]:
+                        priority: int = 0) -> Future[np.ndarray]:
         return allreduce_async_on_wire(self.inner, array, self.prefix + key, op, wire_dtype,
-                                       out)
+                                       out, priority)
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
                   out: np.ndarray | None = None, wire_dtype: str | None = None,
-                  ) -> np.ndarray:
-        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype).result()
+                  priority: int = 0) -> np.ndarray:
+        return self.allreduce_async(array, key, op, out=out, wire_dtype=wire_dtype,
+                                    priority=priority).result()
 
     def broadcast_async(self, array: np.ndarray, key: str, root_rank: int = 0,
                         ) -> Future[np.ndarray]:

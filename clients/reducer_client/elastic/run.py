@@ -26,7 +26,11 @@ with an error: the missing ranks may be alive, and two halves must never
 train apart under one job id; so a job of 2 cannot shrink). The client is
 rebuilt from the settings init() used (or the environment, REDUCER_*);
 node-local aggregation is off after a shrink.
-Workers cannot be added to a running job (there is no driver to admit them).
+A worker started with REDUCER_ELASTIC_JOIN=1 joins the running job instead
+(lobby.py): it knocks on the daemons, rank 0 admits it at a commit, every
+rank's commit() raises HostsUpdatedInterrupt, and all reset to the larger
+world (node-local aggregation off, as after a shrink) without restoring:
+the state is the commit just made, which sync() gives the new rank.
 The daemon's --round-timeout must be shorter than the client's timeout, so
 that the daemon's error (which names the missing ranks) arrives first.
 """
@@ -43,6 +47,13 @@ import grpc
 
 from reducer_client.api import Reducer
 from reducer_client.elastic.incarnation import IncarnationReducer, agree, missing_ranks
+from reducer_client.elastic.lobby import (
+    HostsUpdatedInterrupt,
+    HostWatch,
+    join_requested,
+    join_timeout_s,
+    knock,
+)
 from reducer_client.elastic.state import State
 from reducer_client.errors import ReducerError
 
@@ -76,7 +87,7 @@ def _build(shim: str, rank: int, world_size: int, shrunk: bool) -> Reducer:
     return ReducerClient.from_env(**kwargs)
 
 
-def _incarnation(basics: Any) -> IncarnationReducer:
+def _incarnation(basics: Any, joining: bool = False) -> IncarnationReducer:
     """The process-wide client as an IncarnationReducer (installed on first use).
 
     A ReducerClient is replaced by a fresh one of the same settings inside
@@ -88,26 +99,35 @@ def _incarnation(basics: Any) -> IncarnationReducer:
     current = basics.client()
     if isinstance(current, IncarnationReducer):
         return current
-    inner = (_build(basics.shim, current.rank, current.world_size, shrunk=False)
+    inner = (_build(basics.shim, current.rank, current.world_size, shrunk=joining)
              if isinstance(current, ReducerClient) else current)
     facade = IncarnationReducer(inner)
     basics.init(reducer=facade)
     return facade
 
 
-def reset(basics: Any, facade: IncarnationReducer, failed: bool) -> None:
-    """Start a new incarnation: a fresh client (after a failure), agreed keys,
-    and without the ranks that are gone."""
+def reset(basics: Any, facade: IncarnationReducer, failed: bool, added: int = 0,
+          at: tuple[int, int] | None = None) -> None:
+    """Start a new incarnation: a fresh client (after a failure or a change of
+    world), agreed keys, without the ranks that are gone and with `added`
+    new ranks after the others. at: (rank, world size) to start from instead
+    of the facade's (a worker that just joined)."""
     from reducer_client.client import ReducerClient
 
-    rank, world_size = facade.rank, facade.world_size
+    rank, world_size = at or (facade.rank, facade.world_size)
+    world_size += added
     rebuild = isinstance(facade.inner, ReducerClient)
-    shrunk = False
+    shrunk = changed = bool(added) or at is not None
+    failed = failed or changed
+    if changed and not rebuild:
+        raise ReducerError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{basics.shim}.elastic: workers join only a job of ReducerClients")
     inner = facade.inner
     while True:
         if failed and rebuild:
             inner.close()  # its open operations fail; the daemons drop its streams
             inner = _build(basics.shim, rank, world_size, shrunk)
+            failed = False
         try:
             facade.reset(inner, agree(inner))
             return
@@ -129,29 +149,61 @@ def reset(basics: Any, facade: IncarnationReducer, failed: bool) -> None:
             failed = shrunk = True
 
 
+def _join(basics: Any, facade: IncarnationReducer) -> None:
+    """This process was added to a running job: knock until admitted, then
+    start the job's new incarnation with the others (lobby.py)."""
+    facade.inner.close()  # init's client: the rank and world size are rank 0's to give
+    rank, world_size = knock(lambda r, n: _build(basics.shim, r, n, shrunk=True),
+                             join_timeout_s(), basics.shim)
+    _log.warning("%s: admitted as rank %d of %d", basics.shim, rank, world_size)
+    reset(basics, facade, failed=False, at=(rank, world_size))
+
+
+def _watch(basics: Any, facade: IncarnationReducer, state: State) -> HostWatch:
+    """The host watch of this incarnation, installed on state for commit()."""
+    if state._host_watch is not None:
+        state._host_watch.close()
+    state._host_watch = HostWatch(facade, lambda r, n: _build(basics.shim, r, n, shrunk=True),
+                            basics.shim)
+    return state._host_watch
+
+
 def make_run(basics: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Horovod's elastic.run for the shim whose basics these are."""
     def run(func: Callable[..., Any]) -> Callable[..., Any]:
         """Run func(state, ...) until it returns, resetting after failures (module doc)."""
         @functools.wraps(func)
         def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-            facade = _incarnation(basics)
-            reset(basics, facade, failed=False)
-            for _ in range(MAX_RESETS):
-                try:
-                    state.sync()
-                    return func(state, *args, **kwargs)
-                except ReducerError as exc:
-                    if exc.code in (grpc.StatusCode.INVALID_ARGUMENT,
-                                    grpc.StatusCode.UNAUTHENTICATED,
-                                    grpc.StatusCode.PERMISSION_DENIED):
-                        raise  # a bug or a configuration: a reset would fail the same way
-                    _log.warning("%s: %s; back to the last commit", basics.shim, exc)
-                    state.restore()
-                    reset(basics, facade, failed=True)
-                    state.on_reset()
+            joining = join_requested()
+            facade = _incarnation(basics, joining)
+            if joining:
+                _join(basics, facade)
+            else:
+                reset(basics, facade, failed=False)
+            try:
+                for _ in range(MAX_RESETS):
+                    _watch(basics, facade, state)
+                    try:
+                        state.sync()
+                        return func(state, *args, **kwargs)
+                    except HostsUpdatedInterrupt as update:
+                        # Every rank raised it at the same commit: nothing to restore.
+                        reset(basics, facade, failed=False, added=update.added)
+                        state.on_reset()
+                    except ReducerError as exc:
+                        if exc.code in (grpc.StatusCode.INVALID_ARGUMENT,
+                                        grpc.StatusCode.UNAUTHENTICATED,
+                                        grpc.StatusCode.PERMISSION_DENIED):
+                            raise  # a bug or a configuration: a reset would fail the same way
+                        _log.warning("%s: %s; back to the last commit", basics.shim, exc)
+                        state.restore()
+                        reset(basics, facade, failed=True)
+                        state.on_reset()
+            finally:
+                if state._host_watch is not None:
+                    state._host_watch.close()
+                    state._host_watch = None
             raise ReducerError(grpc.StatusCode.ABORTED,
                                f"{basics.shim}.elastic.run: {MAX_RESETS} resets, giving up")
         return wrapper
     return run
-

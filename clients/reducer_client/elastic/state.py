@@ -57,6 +57,8 @@ class State:
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
+        # Set by elastic.run for each incarnation (lobby.HostWatch): commit asks it.
+        self._host_watch: Any = None
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Functions to call after every reset (a changed world size, say)."""
@@ -72,7 +74,11 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod's hook for a driver's host changes; there is no driver here."""
+        """Raise HostsUpdatedInterrupt on every rank alike when a worker was
+        admitted to the job (elastic/lobby.py); a round of every rank. Outside
+        elastic.run: nothing to check."""
+        if self._host_watch is not None:
+            self._host_watch.check()
 
     def save(self) -> None:
         raise NotImplementedError

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from reducer_client.elastic import ObjectState
+from reducer_client.elastic import HostsUpdatedInterrupt, ObjectState
 from reducer_client.elastic import make_run as _make_run
 from reducer_client.torch._basics import basics as _basics
 from reducer_client.torch.compat import (
@@ -27,7 +27,7 @@ from reducer_client.torch.compat import (
     broadcast_parameters,
 )
 
-__all__ = ["run", "TorchState", "ObjectState"]
+__all__ = ["run", "TorchState", "ObjectState", "HostsUpdatedInterrupt"]
 
 run = _make_run(_basics)
 
@@ -37,7 +37,8 @@ class TorchState(ObjectState):
 
     commit keeps deep copies of model.state_dict() and optimizer.state_dict();
     restore loads them back; sync copies rank 0's parameters, buffers,
-    optimizer state and attributes to every rank.
+    optimizer state and attributes to every rank and makes them the commit
+    (a worker that just joined goes back to rank 0's state, not its own).
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -71,3 +72,4 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         super().sync()
+        self._save_framework()
