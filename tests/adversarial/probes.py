@@ -15,7 +15,6 @@ REDUCER_ADVERSARIAL=long runs every probe at the size of the issue's table
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import threading
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from raw_stream import RawStream, metadata  # noqa: F401 (RawStream: the probes import it from here)
 from reducer_client import ReducerClient
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
@@ -67,10 +67,6 @@ def assert_alive(daemon: DaemonProcess) -> None:
     assert daemon.process.poll() is None, f"the daemon died:\n{daemon.log()[-4000:]}"
 
 
-def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
 def shard(job: str, rank: int, world_size: int, values, key: str = "k", round_: int = 0,
           offset: int = 0) -> pb.Shard:
     data = np.asarray(values, dtype="<f4").tobytes()
@@ -83,41 +79,6 @@ def get_status(address: str, token: str | None = None, timeout: float = 5.0,
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.ReducerStub(channel).GetStatus(
             pb.StatusRequest(**request), metadata=metadata(token), timeout=timeout)
-
-
-class RawStream:
-    """A Reduce call driven by hand: send() shards, next_reply() to read one."""
-
-    def __init__(self, address: str, token: str | None = None, inband: bool = False,
-                 options=()) -> None:
-        self.channel = grpc.insecure_channel(address, options=list(options))
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        extra = (("reducer-errors", "inband"),) if inband else ()
-        self.call = pb_grpc.ReducerStub(self.channel).Reduce(
-            iter(self.outbox.get, None), metadata=metadata(token) + extra)
-
-    def send(self, message) -> None:
-        self.outbox.put(message)
-
-    def next_reply(self, timeout: float = 10.0):
-        """The next reply Shard, the grpc.RpcError that ended the call, or None (OK)."""
-        result: queue.SimpleQueue = queue.SimpleQueue()
-
-        def read() -> None:
-            try:
-                result.put(next(self.call))
-            except grpc.RpcError as exc:
-                result.put(exc)
-            except StopIteration:
-                result.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        return result.get(timeout=timeout)
-
-    def close(self) -> None:
-        self.outbox.put(None)
-        self.call.cancel()
-        self.channel.close()
 
 
 def data_port(address: str, token: str | None = None) -> int:

@@ -5,9 +5,7 @@ contribution, shards invalid on their own, a daemon that is down, a token,
 and SIGTERM draining with open rounds.
 """
 
-import queue
 import signal
-import threading
 import time
 
 import grpc
@@ -16,41 +14,11 @@ import pytest
 from core_cases import disagreeing_list_worker, mismatch_worker, silent_rank_worker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from raw_stream import RawStream
 from reducer_client import ReducerClient, ReducerError
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from support import run_workers, start_daemon
-
-
-class RawStream:
-    """A Reduce call driven by hand: send() shards, next_reply() to read."""
-
-    def __init__(self, address, metadata=()):
-        self.channel = grpc.insecure_channel(address)
-        self.outbox = queue.SimpleQueue()
-        self.call = pb_grpc.ReducerStub(self.channel).Reduce(
-            iter(self.outbox.get, None), metadata=metadata)
-
-    def send(self, shard):
-        self.outbox.put(shard)
-
-    def next_reply(self, timeout=10):
-        result = queue.SimpleQueue()
-        threading.Thread(target=lambda: result.put(_next(self.call)), daemon=True).start()
-        return result.get(timeout=timeout)
-
-    def close(self):
-        self.outbox.put(None)
-        self.channel.close()
-
-
-def _next(call):
-    try:
-        return next(call)
-    except grpc.RpcError as exc:
-        return exc
-    except StopIteration:
-        return None
 
 
 def shard(rank, values, world_size=2, key="k", round_=0):

@@ -1,44 +1,21 @@
-"""Shared pieces of the production tests: raw Reduce streams, scrapes, unit files."""
+"""Shared pieces of the production tests: raw Reduce streams (tests/helpers/raw_stream.py),
+scrapes, unit files."""
 
-import queue
 import re
 import shlex
 import urllib.request
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from raw_stream import RawStream
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT_BINARY = "/opt/reducerd/bin/reducerd"
 _METRICS_RE = re.compile(r"metrics on http://(\S+)/metrics")
-
-
-class RawStream:
-    """A Reduce call driven by hand: send() shards; the replies are not read."""
-
-    def __init__(self, address, token=None):
-        self.channel = grpc.insecure_channel(address)
-        self.outbox = queue.SimpleQueue()
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.call = pb_grpc.ReducerStub(self.channel).Reduce(iter(self.outbox.get, None),
-                                                             metadata=metadata)
-
-    def send(self, shard):
-        self.outbox.put(shard)
-
-    def next_reply(self):
-        return next(self.call)
-
-    def close(self):
-        self.outbox.put(None)
-        self.call.cancel()
-        self.channel.close()
 
 
 def shard(job, rank, world_size, numel=256, key="w", round_=0, dtype=pb.DTYPE_FLOAT16):
