@@ -34,6 +34,7 @@ from reducer_client.horovod import resolve_op
 from reducer_client.tensorflow._basics import basics
 from reducer_client.tensorflow._bridge import _in_xla_context, densify
 from reducer_client.tensorflow.functions import broadcast_variables as assign_from_root
+from reducer_client.tensorflow.steps import joinable
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_object",
            "allgather_object", "barrier", "join", "check_root", "Compression",
@@ -259,15 +260,33 @@ def barrier(process_set: Any = None, *, reducer: Reducer | None = None) -> None:
     coll.check(coll.control_async(target, call).result(), call)
 
 
-def join(*, reducer: Reducer | None = None) -> int:
-    """Follow the other ranks' allreduce, grouped_allreduce, allgather and
-    broadcast calls until every rank has joined; the rank that joined last.
+def join(process_set: Any = None, *, reducer: Reducer | None = None) -> int:
+    """A rank out of data joins: it follows the others' collectives, contributing
+    nothing, until every rank has joined; returns the rank that joined last.
 
-    Eagerly. The DistributedOptimizer and DistributedGradientTape reduce in
-    one call per step without the cross-rank check, so a joined rank cannot
-    follow their steps here (the torch shim's optimizer can).
+    Eagerly, after this rank's last step (model.fit returned, the loop ended).
+    While joined, the rank takes part in every allreduce, grouped_allreduce,
+    allgather and broadcast the others still make (reducer_client.collectives)
+    and in every step of their DistributedOptimizer and DistributedGradientTape
+    (steps.py): zeros from it, and "mean" divides by the ranks that took part,
+    so each step's gradient is the average over the ranks that had data (as
+    Horovod's hvd.join()). Once all have joined, each such optimizer's
+    variables (its trainable variables and its own: iterations, slots) and
+    each tape's sources are copied from the rank that joined last, which took
+    every step, so every rank ends with the same model. A plain optimizer
+    applying a tape's gradients keeps its own state: broadcast_variables(
+    opt.variables, root_rank=join()) copies it. Every rank must have taken at
+    least one step of each optimizer and tape before it joins (the size of
+    their steps is learnt from its own), and the ranks still training must
+    step within the client's timeout of each other; a joined rank waits that
+    long for each.
     """
-    return coll.join(basics.resolve(reducer))
+    _check_set(process_set)
+    target = basics.resolve(reducer)
+    last = coll.join(target)
+    for steps in joinable(target):
+        broadcast_variables(steps.variables(), root_rank=last, reducer=target)
+    return last
 
 
 def broadcast_variables(variables: Any, root_rank: int = 0, process_set: Any = None,

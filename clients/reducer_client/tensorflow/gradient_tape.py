@@ -9,6 +9,7 @@ import tensorflow as tf
 from reducer_client.api import Reducer
 from reducer_client.tensorflow._basics import check_op
 from reducer_client.tensorflow._bridge import reduce_gradients
+from reducer_client.tensorflow.steps import tape_steps
 
 __all__ = ["DistributedGradientTape"]
 
@@ -26,12 +27,15 @@ class DistributedGradientTape:
     """
 
     def __init__(self, tape: tf.GradientTape, op: str = "mean", name: str = "tape",
-                 reducer: Reducer | None = None) -> None:
+                 reducer: Reducer | None = None, *, wire_dtype: str | None = None,
+                 predivide_factor: float = 1.0) -> None:
         check_op(op)
-        self._tape, self._op, self._name, self._reducer = tape, op, name, reducer
+        self._tape, self._op, self._name = tape, op, name
+        # One GradientSteps per tape name (steps.py: joinable, error feedback).
+        self._steps = tape_steps(reducer, name, wire_dtype, predivide_factor, op)
 
     def __getattr__(self, attribute: str) -> Any:
-        if attribute == "_tape":  # not set yet (copy, unpickling): no recursion
+        if attribute in ("_tape", "_steps"):  # not set yet (copy, unpickling): no recursion
             raise AttributeError(attribute)
         return getattr(self._tape, attribute)
 
@@ -47,5 +51,7 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads)
         key = f"tf/{self._name}/{len(flat)}"
+        variables = [s for s in tf.nest.flatten(sources) if hasattr(s, "assign")]
+        self._steps.track(lambda: variables)  # what join() copies from the last rank
         return tf.nest.pack_sequence_as(grads, reduce_gradients(flat, key, self._op,
-                                                                self._reducer))
+                                                                self._steps))

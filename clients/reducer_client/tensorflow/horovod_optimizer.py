@@ -30,27 +30,23 @@ from typing import Any
 import keras
 
 from reducer_client.api import Reducer
-from reducer_client.compression import CompressedReducer, wire_dtype_of
+from reducer_client.compression import wire_dtype_of
 from reducer_client.horovod import Average, resolve_op
 from reducer_client.tensorflow import gradient_tape as _tape
 from reducer_client.tensorflow import optimizer as _optimizer
-from reducer_client.tensorflow._basics import basics
 from reducer_client.tensorflow._bridge import reduce_gradients
+from reducer_client.tensorflow.steps import GradientSteps
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape"]
 
 
-def _reducer_for(compression: Any, predivide: float, op: str,
-                 reducer: Reducer | None) -> Reducer | None:
-    """The reducer the gradients go through: `reducer` (None: init()'s), with the
-    compression and predivide factor applied when they change anything."""
+def _steps_for(compression: Any, predivide: float, op: str, reducer: Reducer | None,
+               what: str) -> GradientSteps:
+    """The GradientSteps an optimizer's steps go through (steps.py: joinable, with
+    error feedback on the 8-bit wires), at the compression and predivide factor."""
     if predivide != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    wire = wire_dtype_of(compression)
-    if wire is None and predivide == 1.0:
-        return reducer
-    return CompressedReducer(reducer if reducer is not None else basics.client, wire,
-                             predivide)
+    return GradientSteps(reducer, wire_dtype_of(compression), predivide, op, what)
 
 
 def _check_set(process_set: Any) -> None:
@@ -65,6 +61,7 @@ class _AggregatingMixin:
 
     def apply(self, grads, trainable_variables=None):
         # Keras accumulates first; _backend_update_step reduces on update steps.
+        self._gradient_steps(trainable_variables)  # type: ignore[attr-defined]
         return super(_optimizer._DistributedOptimizerMixin, self).apply(  # type: ignore[misc]
             grads, trainable_variables)
 
@@ -109,7 +106,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 (H
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got "
                          f"{backward_passes_per_step}")
-    through = _reducer_for(compression, gradient_predivide_factor, op, reducer)
+    through = _steps_for(compression, gradient_predivide_factor, op, reducer,
+                         f"optimizer {name or 'optimizer'!r}")
     if backward_passes_per_step == 1:
         return _optimizer.DistributedOptimizer(optimizer, op=op, name=name, reducer=through)
     wrapped = _optimizer.DistributedOptimizer(optimizer, op=op, name=name, reducer=through)
@@ -134,6 +132,8 @@ def DistributedGradientTape(gradtape: Any, device_dense: str = "",  # noqa: N802
     if device_dense in ("mean", "sum"):  # this shim's older (tape, op) order
         device_dense, op = "", device_dense
     op = resolve_op(op)
-    return _tape.DistributedGradientTape(
-        gradtape, op=op, name=name,
-        reducer=_reducer_for(compression, gradient_predivide_factor, op, reducer))
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    return _tape.DistributedGradientTape(gradtape, op=op, name=name, reducer=reducer,
+                                         wire_dtype=wire_dtype_of(compression),
+                                         predivide_factor=gradient_predivide_factor)

@@ -1,12 +1,15 @@
 """DistributedOptimizer: a Keras 3 optimizer whose apply() reduces the gradients first.
 
 apply_gradients() and the Keras train step both end in apply(), so this
-covers model.fit and custom loops alike.
+covers model.fit and custom loops alike. Each step runs through the
+optimizer's GradientSteps (steps.py): a rank that has called join() follows
+the others' steps, and the 8-bit wires get error feedback.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import keras
@@ -14,6 +17,7 @@ import keras
 from reducer_client.api import Reducer
 from reducer_client.tensorflow._basics import check_op
 from reducer_client.tensorflow._bridge import reduce_gradients
+from reducer_client.tensorflow.steps import GradientSteps
 
 __all__ = ["DistributedOptimizer", "load_model"]
 
@@ -27,14 +31,36 @@ class _DistributedOptimizerMixin:
 
     _reducer_op = "mean"
     _reducer_key = None
-    _reducer_override: Reducer | None = None
+    # The GradientSteps its steps run through (steps.py: joinable, error
+    # feedback); a plain Reducer or None until the first use (load_model's).
+    _reducer_override: GradientSteps | Reducer | None = None
+
+    def _gradient_steps(self, trainable_variables=None) -> GradientSteps:
+        """This optimizer's GradientSteps, told which variables join() copies."""
+        steps = self._reducer_override
+        if not isinstance(steps, GradientSteps):
+            steps = self._reducer_override = GradientSteps(
+                steps, op=self._reducer_op, what=f"optimizer {self._reducer_key or 'optimizer'!r}")
+        ref = weakref.ref(self)
+        given = None if trainable_variables is None else list(trainable_variables)
+
+        def variables() -> list:
+            optimizer = ref()
+            if optimizer is None:
+                return []
+            own = given if given is not None else list(
+                getattr(optimizer, "_trainable_variables", []))
+            return own + list(optimizer.variables)
+        steps.track(variables)
+        return steps
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         # Not self.name: Keras numbers optimizer names per process (sgd, sgd_1),
         # and a rank that made one more optimizer would then wait on another key.
         key = f"tf/{self._reducer_key or 'optimizer'}/{len(grads)}"
-        grads = reduce_gradients(grads, key, self._reducer_op, self._reducer_override)
+        grads = reduce_gradients(grads, key, self._reducer_op,
+                                 self._gradient_steps(trainable_variables))
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
 
 
@@ -69,7 +95,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: str = "mean"
     wrapped = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
     wrapped._reducer_op = op
     wrapped._reducer_key = name
-    wrapped._reducer_override = reducer
+    # Made now, so that its join tag is registered in creation order.
+    wrapped._reducer_override = reducer if isinstance(reducer, GradientSteps) else \
+        GradientSteps(reducer, op=op, what=f"optimizer {name or 'optimizer'!r}")
     return wrapped
 
 
