@@ -42,7 +42,8 @@ from reducer_client.errors import ReducerError
 
 __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW",
            "control_async", "own_rows", "allreduce_async", "broadcast_async", "allgather_async",
-           "check", "active_count", "join", "register_shadow", "FLOAT_DTYPES"]
+           "check", "active_count", "call_shape", "join", "register_shadow",
+           "FLOAT_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
 ALLREDUCE, BROADCAST, ALLGATHER, STEP, CHECK = 1, 2, 3, 4, 5
@@ -177,6 +178,11 @@ def check(rows: np.ndarray, call: Call) -> int:
 
 def active_count(rows: np.ndarray) -> int:
     return int((rows[:, _PRESENT] == 1).sum())
+
+
+def call_shape(rows: np.ndarray) -> tuple[int, ...] | str:
+    """The shape the first active rank's row names (what a STEP shadow reads)."""
+    return _shape_of(rows[int(np.argmax(rows[:, _PRESENT] == 1))])
 
 
 class _Session:
