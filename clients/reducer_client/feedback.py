@@ -11,8 +11,13 @@ every worker and is not known to any of them.
 
 Q here is exactly the client's: convert.to_wire of the whole flat key, whose
 int8 blocks are the chunks' blocks (chunks start on whole blocks, layout.py).
-With node-local aggregation the node's sum is what gets quantized, not this
-worker's gradient, so feedback is off there (default_for).
+With node-local aggregation a worker's gradient goes into the node's shared
+segment in float32 and is not quantized; the node's sum is, slice by slice,
+by the local rank that sends each slice. So there the residue belongs to
+that slice's sender: the shim's feedback object is a NodeFeedback, which
+only marks the call's key, and the node group (node/residues.py) keeps the
+residue of the slice this worker sends and adds it to the key's next slice
+sum, with the same Q (each slice is planned and quantized as one array).
 
 Cost per call: one more quantization and dequantization of the key on this
 worker. Memory: per key a float32 residual and one wire-sized buffer; the
@@ -28,7 +33,7 @@ from typing import Any
 import numpy as np
 from reducer_wire import convert, dtypes
 
-__all__ = ["ErrorFeedback", "FEEDBACK_WIRES"]
+__all__ = ["ErrorFeedback", "NodeFeedback", "FEEDBACK_WIRES"]
 
 # The wires whose rounding error feedback is on for by default: the 8-bit ones.
 FEEDBACK_WIRES = frozenset(dtypes.EIGHT_BIT_DTYPES)
@@ -57,14 +62,20 @@ class ErrorFeedback:
         self._keys: dict[str, _KeyState] = {}
 
     @classmethod
+    def for_reducer(cls, reducer: Any) -> ErrorFeedback:
+        """Feedback on for reducer's wire dtype: this worker's own residue, or
+        with node-local aggregation its node's (a NodeFeedback)."""
+        node = getattr(reducer, "_node", None)  # ReducerClient's node group
+        if node is not None:
+            return NodeFeedback(reducer.wire_dtype, node.residues)
+        return cls(reducer.wire_dtype)
+
+    @classmethod
     def default_for(cls, reducer: Any) -> ErrorFeedback | None:
-        """On for an 8-bit wire_dtype without node-local aggregation, else None."""
-        wire = getattr(reducer, "wire_dtype", None)
-        if wire not in FEEDBACK_WIRES:
+        """On (for_reducer) for an 8-bit wire_dtype, else None."""
+        if getattr(reducer, "wire_dtype", None) not in FEEDBACK_WIRES:
             return None
-        if getattr(reducer, "_node", None) is not None:  # ReducerClient's node group
-            return None
-        return cls(wire)
+        return cls.for_reducer(reducer)
 
     def apply(self, key: str, values: np.ndarray) -> None:
         """Add the key's residual to `values` (1-D, float16/32/64, in place) and
@@ -95,3 +106,23 @@ class ErrorFeedback:
                 self._keys.clear()
             else:
                 self._keys.pop(key, None)
+
+
+class NodeFeedback(ErrorFeedback):
+    """Error feedback under node-local aggregation: the node group keeps the residue.
+
+    apply() leaves the values alone (they enter the node's segment in
+    float32, unrounded) and asks the node group to feed back the rounding of
+    the slice of this key's node sum that this worker sends
+    (node/residues.py): the shim's call is unchanged.
+    """
+
+    def __init__(self, wire_dtype: str, residues: Any) -> None:
+        super().__init__(wire_dtype)
+        self._residues = residues
+
+    def apply(self, key: str, values: np.ndarray) -> None:
+        self._residues.want(key)
+
+    def forget(self, key: str | None = None) -> None:
+        self._residues.forget(key)

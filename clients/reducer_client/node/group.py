@@ -49,6 +49,7 @@ from reducer_wire.framing import shutdown_quietly
 
 from reducer_client.errors import ReducerError
 from reducer_client.node.coordinator import Coordinator, encode
+from reducer_client.node.residues import SliceResidues
 from reducer_client.node.shm import (
     attach_segment,
     close_segment,
@@ -103,7 +104,7 @@ class NodeGroup:
     def __init__(self, job: str, topology: NodeTopology, timeout_s: float,
                  send_slice: SliceSender, incarnation: int = 0) -> None:
         self.job, self.topology, self.timeout_s = job, topology, timeout_s
-        self._send_slice = send_slice
+        self._send_slice, self.residues = send_slice, SliceResidues()  # 8-bit feedback
         self._prefix = segment_prefix(job, topology.node)
         self._coordinator = (Coordinator(job, topology.node, topology.local_size,
                                          topology.nodes, timeout_s, incarnation)
@@ -308,6 +309,7 @@ class NodeGroup:
         if node_op.op == pb.REDUCE_OP_MEAN:
             # Node mean: the daemons average the N node means (see module docstring).
             np.divide(acc, np.float32(local_size), out=acc)
+        self.residues.apply(node_op.key, node_op.dtype, acc)  # if the shim asked
         del rows
         inner = self._send_slice(acc, start, result, node_op.key, node_op.round,
                                  node_op.dtype, node_op.op)
