@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
+from reducerd.bench import arguments as shared
+from reducerd.bench.arguments import UsageError
 from reducerd.bench.config import BASELINE_CHOICES, WIRE_DTYPE_NAMES, BenchConfig, systems_for
-from reducerd.bench.units import parse_rate, parse_sizes, parse_time
+from reducerd.bench.units import parse_sizes
 
 __all__ = ["main", "build_parser", "config_from_argv", "UsageError"]
 
 DEFAULT_SIZES = "1K:256M:4"
-MAX_HOSTS = 250  # one /24 per role inside 198.18.0.0/15
-
-
-class UsageError(ValueError):
-    """An argument is wrong; the message names it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,32 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not time the PyTorch shim's path (a DDP bucket through "
                              "reducer_client.torch.allreduce_hook, system "
                              "reducerd-ddp-hook) beside the core's")
-    parser.add_argument("--emulate-cluster", metavar="RATE",
-                        help="every host in its own network namespace, each link shaped "
-                             "to RATE both ways (tc syntax, e.g. 200mbit); needs root")
-    parser.add_argument("--emulate-delay", metavar="TIME",
-                        help="with --emulate-cluster: netem delay added on every link, "
-                             "each way (e.g. 100us); needs the sch_netem kernel module")
-    parser.add_argument("--emulate-mtu", type=int, default=9000, metavar="BYTES",
-                        help="with --emulate-cluster: link MTU (default 9000, jumbo frames "
-                             "as in AWS VPCs; 1500 costs more CPU per byte)")
+    shared.add_emulation_arguments(parser)
     parser.add_argument("--workers-per-node", type=int, default=1, metavar="L",
                         help="workers per node: with --emulate-cluster they share one "
                              "namespace and link (default 1)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure here")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png",
-                        help="bandwidth against size, log-log (needs matplotlib)")
+    shared.add_output_arguments(parser, "bandwidth against size, log-log (needs matplotlib)")
     parser.add_argument("--mxnet-python", type=Path, metavar="PATH",
                         help="interpreter with mxnet (default: .venv-mxnet/bin/python "
                              "at the repository root)")
     parser.add_argument("--chunk-bytes", type=int, metavar="BYTES",
                         help="reducerd client chunk size (default: the client's)")
-    parser.add_argument("--stall-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="fail a system when no iteration finishes for this long "
-                             "(default 300)")
-    parser.add_argument("--log-dir", type=Path, metavar="DIR",
-                        help="keep every process's log here (default: a temporary "
-                             "directory, removed after a successful run)")
+    shared.add_run_arguments(parser, "fail a system when no iteration finishes for this "
+                                     "long (default 300)")
     return parser
 
 
@@ -84,8 +65,6 @@ def config_from_argv(argv: list[str]) -> BenchConfig:
     try:
         sizes = parse_sizes(args.sizes)
         baselines = systems_for([w.strip() for w in args.baselines.split(",") if w.strip()])
-        rate = parse_rate(args.emulate_cluster) if args.emulate_cluster else None
-        delay = parse_time(args.emulate_delay) if args.emulate_delay else 0.0
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.workers < 1:
@@ -97,19 +76,10 @@ def config_from_argv(argv: list[str]) -> BenchConfig:
     if args.workers_per_node < 1 or args.workers % args.workers_per_node:
         raise UsageError(f"--workers-per-node {args.workers_per_node} must divide "
                          f"--workers {args.workers}")
-    if args.emulate_delay and not args.emulate_cluster:
-        raise UsageError("--emulate-delay needs --emulate-cluster")
-    if not 576 <= args.emulate_mtu <= 65000:
-        raise UsageError(f"--emulate-mtu must be in [576, 65000], got {args.emulate_mtu}")
-    if args.emulate_cluster and max(args.workers, args.daemons) > MAX_HOSTS:
-        raise UsageError(f"--emulate-cluster supports at most {MAX_HOSTS} workers and daemons")
+    rate, delay = shared.emulation(args, max(args.workers, args.daemons), "workers and daemons")
     if args.chunk_bytes is not None and args.chunk_bytes < 4:
         raise UsageError("--chunk-bytes must be at least 4")
-    if args.stall_timeout <= 0:
-        raise UsageError("--stall-timeout must be > 0")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib "
-                         "(or the project's 'bench' extra)")
+    shared.check_run_arguments(args)
     return BenchConfig(
         workers=args.workers, daemons=args.daemons, sizes_bytes=tuple(sizes),
         wire_dtype=args.wire_dtype, iters=args.iters, warmup=args.warmup,
@@ -127,15 +97,10 @@ def main(argv: list[str]) -> int:
         from reducerd.bench.train.cli import main as train_main  # whole training steps
 
         return train_main(argv)
-    try:
-        config = config_from_argv(argv)
-    except UsageError as exc:
-        print(f"reducerd bench: error: {exc}", file=sys.stderr)
-        return 2
-    from reducerd.bench.runner import BenchError, run_bench
+    return shared.run_command("reducerd bench", argv, config_from_argv, _run)
 
-    try:
-        return run_bench(config)
-    except BenchError as exc:
-        print(f"reducerd bench: {exc}", file=sys.stderr)
-        return 1
+
+def _run(config: BenchConfig) -> int:
+    from reducerd.bench.runner import run_bench  # the run's imports only for a run
+
+    return run_bench(config)

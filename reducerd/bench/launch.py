@@ -8,22 +8,20 @@ the daemon hosts, MXNet's scheduler beside server 0.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from reducerd.bench.config import REDUCERD_SYSTEMS, BenchConfig
 from reducerd.bench.netns import Cluster, Host, loopback_host
-from reducerd.bench.procs import Proc, ProcessSet, wait_for_log
-from reducerd.local import LISTEN_RE
+from reducerd.bench.procs import Proc, ProcessSet
+from reducerd.bench.session import free_port, start_daemons
 
 __all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
 
 # Inside our own namespaces every port is free; on loopback we ask the kernel.
 _NETNS_PORTS = {"reducerd": 50051, "reducerd-ddp-hook": 50052, "gloo-float32": 29501,
                 "gloo-float16": 29502, "mxnet-ps": 9091}
-_READY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -56,11 +54,7 @@ def default_mxnet_python() -> Path:
 
 
 def _port(system: str, host: Host) -> int:
-    if host.netns is not None:
-        return _NETNS_PORTS[system]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _NETNS_PORTS[system] if host.netns is not None else free_port()
 
 
 def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extra) -> str:
@@ -91,16 +85,8 @@ def _local_env(rank: int, placement: Placement) -> dict[str, str]:
 def _launch_reducerd(system: str, config: BenchConfig, placement: Placement,
                      procs: ProcessSet, run_id: str) -> tuple[list[Proc], list[Proc]]:
     """Fresh daemons for `system` (one of REDUCERD_SYSTEMS), then its workers."""
-    daemons, addresses = [], []
-    for i, host in enumerate(placement.daemons):
-        argv = host.command([sys.executable, "-m", "reducerd",
-                             "--listen", f"{host.address}:{_port(system, host)}",
-                             "--round-timeout", str(config.stall_timeout_s),
-                             "--drain-grace", "2"])
-        daemons.append(procs.start(f"{system}-daemon{i}", argv, {}))
-    for host, daemon in zip(placement.daemons, daemons, strict=True):
-        match = wait_for_log(daemon, LISTEN_RE.pattern, _READY_TIMEOUT_S)
-        addresses.append(f"{host.address}:{match.group(2)}")
+    daemons, addresses = start_daemons(procs, placement.daemons, f"{system}-daemon",
+                                       config.stall_timeout_s, lambda host: _port(system, host))
     workers = _start_workers(
         system, sys.executable, config, placement, procs,
         lambda rank, host: _local_env(rank, placement), addresses=addresses,

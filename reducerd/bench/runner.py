@@ -1,47 +1,30 @@
 """Run the whole benchmark: cluster, each system in turn, progress, report, cleanup.
 
-Cleanup is unconditional: every child process is stopped and every namespace
-removed in a `finally`, which SIGINT (KeyboardInterrupt), SIGTERM and SIGHUP
-(turned into KeyboardInterrupt here) all reach; further signals are blocked
-while it runs, so a second Ctrl-C cannot interrupt the cleanup itself.
+The run's log folder, processes, cluster and their unconditional cleanup
+(Ctrl-C, SIGTERM and SIGHUP included) are a session.BenchSession's.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
-import signal
-import tempfile
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
-from reducerd.bench import netns
 from reducerd.bench.config import BenchConfig, wire_nbytes
 from reducerd.bench.figures import aggregate
 from reducerd.bench.launch import Placement, default_mxnet_python, launch, make_placement
 from reducerd.bench.procs import Proc, ProcessSet, SystemFailed, cpu_seconds, follow_workers
 from reducerd.bench.report import config_record, render_table, write_json, write_plot
+from reducerd.bench.session import BenchError, BenchSession, progress_bar, results_console
 from reducerd.bench.units import format_size
 
 __all__ = ["run_bench", "BenchError"]
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class BenchError(RuntimeError):
-    """The bench cannot run at all (e.g. --emulate-cluster without root)."""
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _available(config: BenchConfig, mxnet_python: Path,
@@ -106,11 +89,6 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
     return dict(per_rank)
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=False)
-
-
 def run_bench(config: BenchConfig) -> int:
     """Run every system over the sweep, then print and write the figures.
 
@@ -124,74 +102,40 @@ def run_bench(config: BenchConfig) -> int:
     systems = _available(config, mxnet_python, skipped)
     for system, reason in skipped.items():
         console.print(f"[yellow]{system} skipped:[/] {reason}")
-    log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="reducerd-bench-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs = ProcessSet(log_dir)
-    cluster: netns.Cluster | None = None
     records: dict[str, dict[int, list[dict[str, Any]]]] = {}
     stats: dict[str, Any] = {}
-    interrupted = False
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = ({sig: signal.signal(sig, _interrupt) for sig in _STOP_SIGNALS[1:]}
-                if in_main else {})
-    try:
+    with BenchSession(console, config.log_dir, "reducerd-bench-") as session:
+        cluster = None
         if config.emulate_cluster:
-            try:
-                netns.check_available()
-                for name in netns.cleanup_leftovers():
-                    console.print(f"removed leftover namespace {name}")
-                cluster = netns.Cluster(config.emulate_cluster, config.rate_bytes_per_s or 0,
-                                        config.nodes, config.daemons, config.emulate_delay_s,
-                                        config.emulate_mtu)
-                console.print(f"emulated cluster: {config.nodes} node(s) and "
-                              f"{config.daemons} daemon host(s), links "
-                              f"{config.emulate_cluster} each way")
-                cluster.create()
-            except netns.NetnsError as exc:
-                raise BenchError(str(exc)) from None
+            cluster = session.emulate_cluster(
+                config.emulate_cluster, config.rate_bytes_per_s or 0, config.nodes,
+                config.daemons, config.emulate_delay_s, config.emulate_mtu,
+                f"{config.nodes} node(s) and {config.daemons} daemon host(s)")
         placement = make_placement(config, cluster)
         steps = len(config.sizes_bytes) * (config.warmup + config.iters)
-        with _progress(console) as progress:
+        with progress_bar(console, 28) as progress:
             task = progress.add_task("starting", total=len(systems) * steps)
             for index, system in enumerate(systems):
                 try:
-                    records[system] = _run_system(system, config, placement, procs,
+                    records[system] = _run_system(system, config, placement, session.procs,
                                                   progress, task, mxnet_python, stats)
                 except SystemFailed as exc:
                     failed[system] = str(exc).splitlines()[0]
                     console.print(f"[red]{system} failed:[/] {exc}")
                 finally:
-                    procs.stop_all()
+                    session.procs.stop_all()
                 progress.update(task, completed=(index + 1) * steps)
-    except KeyboardInterrupt:
-        interrupted = True
-        console.print("[yellow]interrupted:[/] stopping every process and namespace")
-    finally:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
-            procs.stop_all()
-            if cluster is not None:
-                cluster.destroy()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    return _report(console, config, systems, records, skipped, failed, interrupted, log_dir,
-                   stats)
+    return _report(session, config, systems, records, skipped, failed, stats)
 
 
-def _report(console: Console, config: BenchConfig, systems: list[str],
+def _report(session: BenchSession, config: BenchConfig, systems: list[str],
             records: dict[str, dict[int, list[dict[str, Any]]]], skipped: dict[str, str],
-            failed: dict[str, str], interrupted: bool, log_dir: Path,
-            stats: dict[str, Any]) -> int:
+            failed: dict[str, str], stats: dict[str, Any]) -> int:
+    console = session.console
     results = aggregate(config, records)
-    if config.log_dir is not None:  # raw per-rank, per-iteration records beside the logs
-        (log_dir / "records.json").write_text(json.dumps(records))
+    session.keep_records(records)  # raw per-rank, per-iteration records beside the logs
     if results:
-        out = Console()
-        if not out.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
-            out = Console(width=200)
-        render_table(out, config, results)
+        render_table(results_console(), config, results)
     daemons = stats.get("reducerd_daemons")
     if daemons:
         console.print(f"reducerd daemons: {daemons['input_GB_per_cpu_s']:.2f} GB of "
@@ -202,13 +146,8 @@ def _report(console: Console, config: BenchConfig, systems: list[str],
         if daemons:
             record["reducerd_daemons"] = daemons
         write_json(config.json_path, record, results)
-        console.print(f"wrote {config.json_path}")
+        session.wrote(config.json_path)
     if config.plot_path and results:
         write_plot(config.plot_path, config, results)
-        console.print(f"wrote {config.plot_path}")
-    if failed or interrupted:
-        console.print(f"process logs kept in {log_dir}")
-        return 130 if interrupted else 1
-    if config.log_dir is None:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    return 0
+        session.wrote(config.plot_path)
+    return session.finish(bool(failed))

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
+from reducerd.bench import arguments as shared
+from reducerd.bench.arguments import UsageError
 from reducerd.bench.train.config import DEFAULT_SYSTEMS, TRAIN_SYSTEMS, Accelerator, TrainConfig
 from reducerd.bench.train.specs import MODELS, model_spec
-from reducerd.bench.units import parse_rate, parse_time
+from reducerd.bench.units import parse_rate
 
 __all__ = ["main", "build_parser", "config_from_argv", "UsageError"]
-
-MAX_HOSTS = 250  # one /24 per role inside 198.18.0.0/15 (netns.py)
-
-
-class UsageError(ValueError):
-    """An argument is wrong; the message names it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,19 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "float32"),
                         help="reducerd's wire dtype (default float16)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
-    parser.add_argument("--emulate-cluster", metavar="RATE",
-                        help="every host in its own network namespace, links shaped to RATE "
-                             "(tc syntax, e.g. 200mbit); needs root")
-    parser.add_argument("--emulate-delay", metavar="TIME",
-                        help="with --emulate-cluster: netem delay on every link, each way")
-    parser.add_argument("--emulate-mtu", type=int, default=9000, metavar="BYTES")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure here")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png",
-                        help="scaling efficiency against workers (needs matplotlib)")
-    parser.add_argument("--stall-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="fail a run when no step finishes for this long (default 300)")
-    parser.add_argument("--log-dir", type=Path, metavar="DIR",
-                        help="keep every process's log here")
+    shared.add_emulation_arguments(parser)
+    shared.add_output_arguments(parser, "scaling efficiency against workers (needs matplotlib)")
+    shared.add_run_arguments(parser, "fail a run when no step finishes for this long (default 300)")
     return parser
 
 
@@ -98,10 +81,9 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
     """Parse and validate; raise UsageError naming the argument."""
     args = build_parser().parse_args(argv)
     workers, systems = _workers(args.workers), _systems(args.systems)
+    rate, delay = shared.emulation(args, workers[-1], "workers")
     try:
-        rate = parse_rate(args.emulate_cluster) if args.emulate_cluster else None
         real_link = parse_rate(args.real_link)
-        delay = parse_time(args.emulate_delay) if args.emulate_delay else 0.0
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.steps < 1 or args.warmup < 1 or args.comm_steps < 1:
@@ -118,14 +100,7 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
         raise UsageError(f"--byte-scale must be >= 1, got {args.byte_scale}")
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be > 0, got {args.time_scale}")
-    if args.emulate_delay and not args.emulate_cluster:
-        raise UsageError("--emulate-delay needs --emulate-cluster")
-    if args.emulate_cluster and workers[-1] > MAX_HOSTS:
-        raise UsageError(f"--emulate-cluster supports at most {MAX_HOSTS} workers")
-    if args.stall_timeout <= 0:
-        raise UsageError("--stall-timeout must be > 0")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib")
+    shared.check_run_arguments(args)
     if args.time_scale is not None:
         time_scale = args.time_scale
     elif rate:
@@ -146,15 +121,10 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
 
 def main(argv: list[str]) -> int:
     """`reducerd bench --train ...`: 0 when every run finished, 1 on a failure, 2 on usage."""
-    try:
-        config = config_from_argv(argv)
-    except UsageError as exc:
-        print(f"reducerd bench --train: error: {exc}", file=sys.stderr)
-        return 2
-    from reducerd.bench.train.runner import TrainBenchError, run_train
+    return shared.run_command("reducerd bench --train", argv, config_from_argv, _run)
 
-    try:
-        return run_train(config)
-    except TrainBenchError as exc:
-        print(f"reducerd bench --train: {exc}", file=sys.stderr)
-        return 1
+
+def _run(config: TrainConfig) -> int:
+    from reducerd.bench.train.runner import run_train  # the run's imports only for a run
+
+    return run_train(config)
