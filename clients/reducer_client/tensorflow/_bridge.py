@@ -18,14 +18,17 @@ could change a tensor the user holds.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import tensorflow as tf
 
 from reducer_client.api import Reducer
+from reducer_client.errors import ReducerError
 from reducer_client.tensorflow._basics import basics
 
-__all__ = ["reduce_flat", "densify", "fused_allreduce", "reduce_gradients"]
+__all__ = ["reduce_flat", "densify", "fused_allreduce", "reduce_gradients", "remember_error",
+           "original_error"]
 
 
 def _in_xla_context() -> bool:
@@ -36,6 +39,29 @@ def _in_xla_context() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+# The last ReducerError raised in an op body (one slot, _errors_lock guards it):
+# TensorFlow hands a graph's caller only the text (tf.errors.UnknownError), and
+# elastic.run needs the error itself, its code included (original_error).
+_last_error: list[ReducerError] = []
+_errors_lock = threading.Lock()
+
+
+def remember_error(exc: ReducerError) -> None:
+    with _errors_lock:
+        _last_error[:] = [exc]
+
+
+def original_error(exc: BaseException) -> ReducerError | None:
+    """The ReducerError behind a TensorFlow op error, None if it is not one of ours."""
+    if isinstance(exc, ReducerError):
+        return exc
+    if not isinstance(exc, tf.errors.OpError) or "ReducerError" not in str(exc):
+        return None
+    with _errors_lock:
+        last = _last_error[0] if _last_error else None
+    return last if last is not None and str(last) in str(exc) else None
+
+
 def _run_reduction(array: np.ndarray, key: str, op: str, root_rank: int | None,
                    reducer: Reducer | None) -> np.ndarray:
     """The body of the reduction op: NumPy in, NumPy out, through the core.
@@ -44,9 +70,13 @@ def _run_reduction(array: np.ndarray, key: str, op: str, root_rank: int | None,
     never rewrites it when the caller is being traced.
     """
     target = basics.resolve(reducer)
-    if root_rank is None:
-        return np.asarray(target.allreduce(array, key, op), dtype=np.float32)
-    return np.asarray(target.broadcast(array, key, root_rank), dtype=np.float32)
+    try:
+        if root_rank is None:
+            return np.asarray(target.allreduce(array, key, op), dtype=np.float32)
+        return np.asarray(target.broadcast(array, key, root_rank), dtype=np.float32)
+    except ReducerError as exc:
+        remember_error(exc)
+        raise
 
 
 def reduce_flat(flat: tf.Tensor, key: str, op: str, root_rank: int | None,

@@ -29,10 +29,11 @@ import tensorflow as tf
 from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.compression import Compressor, wire_dtype_of
+from reducer_client.errors import ReducerError
 from reducer_client.exact import decode_exact, encode_exact, encoded_per_element
 from reducer_client.horovod import resolve_op
 from reducer_client.tensorflow._basics import basics
-from reducer_client.tensorflow._bridge import _in_xla_context, densify
+from reducer_client.tensorflow._bridge import _in_xla_context, densify, remember_error
 from reducer_client.tensorflow.functions import broadcast_variables as assign_from_root
 from reducer_client.tensorflow.steps import joinable
 
@@ -85,7 +86,14 @@ def _run(fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType
         raise ValueError(f"reducer_client.tensorflow: {what} runs as a Python op "
                          "(tf.numpy_function) that XLA cannot compile: compile with "
                          "jit_compile=False")
-    return tf.numpy_function(fn, inputs, dtype, stateful=True, name=f"Reducer_{what}")
+
+    def body(*arrays: np.ndarray) -> np.ndarray:
+        try:
+            return fn(*arrays)
+        except ReducerError as exc:  # kept for elastic.run (TF passes on only the text)
+            remember_error(exc)
+            raise
+    return tf.numpy_function(body, inputs, dtype, stateful=True, name=f"Reducer_{what}")
 
 
 def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: str | None,

@@ -17,6 +17,8 @@ belong to the steps undone); sync copies rank 0's to every rank.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -25,13 +27,31 @@ import numpy as np
 from reducer_client.elastic import ObjectState
 from reducer_client.elastic import make_run as _make_run
 from reducer_client.tensorflow._basics import basics as _basics
+from reducer_client.tensorflow._bridge import original_error
 from reducer_client.tensorflow.compat import broadcast_object, broadcast_variables
 from reducer_client.tensorflow.steps import forget_feedback
 
 __all__ = ["run", "TensorFlowKerasState", "KerasState", "ObjectState", "CommitStateCallback",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
 
-run = _make_run(_basics)
+_run = _make_run(_basics)
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's elastic.run (reducer_client.elastic.run), for TensorFlow: a
+    collective that fails inside a graph (model.fit, a tf.function) reaches
+    the caller as tf.errors.UnknownError; the ReducerError behind it is what
+    elastic.run sees, so a lost round in model.fit resets like an eager one."""
+    @functools.wraps(func)
+    def unwrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - only ours are replaced
+            original = original_error(exc)
+            if original is None or original is exc:
+                raise
+            raise original from exc
+    return _run(unwrapped)
 
 
 class TensorFlowKerasState(ObjectState):
