@@ -1,7 +1,18 @@
-"""The KVStore type "reducer": pushpull and broadcast through reducerd daemons."""
+"""The KVStore type "reducer": pushpull and broadcast through reducerd daemons.
+
+Error feedback (reducer_client.feedback), on by default for the 8-bit wires
+("int8", "fp8_e4m3", "fp8_e5m2"), as in the torch shim: each pushpull
+transfer (a store key, or a packed group of small ones: the same transfer
+key every step) keeps what quantization dropped from this worker's
+contribution and adds it to the next one; with node-local aggregation the
+node's slice senders keep it instead (node/residues.py). set_error_feedback
+(or the store's error_feedback=) turns it on or off per client.
+"""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -12,6 +23,7 @@ from mxnet.kvstore import KVStoreBase
 
 from reducer_client.api import Reducer as ReducerBackend
 from reducer_client.errors import ReducerError
+from reducer_client.feedback import ErrorFeedback
 from reducer_client.mxnet._basics import basics
 from reducer_client.mxnet._buffers import (
     BufferCache,
@@ -21,7 +33,7 @@ from reducer_client.mxnet._buffers import (
     write_result,
 )
 
-__all__ = ["Reducer", "DEFAULT_FUSION_BYTES"]
+__all__ = ["Reducer", "DEFAULT_FUSION_BYTES", "set_error_feedback"]
 
 # Keys below this size share a transfer. 4 MiB of float32 is a few chunks of
 # the core's 1 MiB wire chunk, spread over the daemons; larger keys gain
@@ -30,6 +42,29 @@ DEFAULT_FUSION_BYTES = 4 << 20
 # Extra wait over the client's own timeout: the core fails a late operation
 # itself; this bound only catches a client that does not.
 _WAIT_MARGIN_S = 5.0
+
+
+# Per client: the error feedback of its stores' pushpull transfers, chosen at
+# first use (on for an 8-bit wire) or by set_error_feedback. _feedbacks_lock
+# guards _feedbacks (any thread calling a store).
+_feedbacks: weakref.WeakKeyDictionary[ReducerBackend, ErrorFeedback | None] = (
+    weakref.WeakKeyDictionary())
+_feedbacks_lock = threading.Lock()
+
+
+def set_error_feedback(enabled: bool, reducer: ReducerBackend | None = None) -> None:
+    """Error feedback on or off for the pushpull of every store on `reducer`
+    (None: the process-wide client), as reducer_client.torch.set_error_feedback."""
+    backend = basics.resolve(reducer)
+    with _feedbacks_lock:
+        _feedbacks[backend] = ErrorFeedback.for_reducer(backend) if enabled else None
+
+
+def _feedback_for(backend: ReducerBackend) -> ErrorFeedback | None:
+    with _feedbacks_lock:
+        if backend not in _feedbacks:
+            _feedbacks[backend] = ErrorFeedback.default_for(backend)
+        return _feedbacks[backend]
 
 
 def _as_list(value) -> list:
@@ -43,11 +78,14 @@ class Reducer(KVStoreBase):
     Keys are int or str and must be used in the same order on every worker
     (each call is one round of its keys). Values are dense float16, float32 or
     float64 NDArrays on any context. op "sum" (the default, as MXNet's own
-    dist_sync store) or "mean" combines the workers.
+    dist_sync store) or "mean" combines the workers. error_feedback: on or
+    off for the backend's stores (set_error_feedback); None leaves the
+    choice as it is (by default on for the 8-bit wires).
     """
 
     def __init__(self, op: str = "sum", fusion_bytes: int = DEFAULT_FUSION_BYTES,
-                 backend: ReducerBackend | None = None) -> None:
+                 backend: ReducerBackend | None = None,
+                 error_feedback: bool | None = None) -> None:
         if op not in ("sum", "mean"):
             raise ValueError(f"op {op!r}: 'sum' or 'mean'")
         if fusion_bytes < 0:
@@ -56,6 +94,8 @@ class Reducer(KVStoreBase):
         self._fusion_bytes = fusion_bytes
         self._backend = backend if backend is not None else basics.client()
         self._buffers = BufferCache()  # pushpull transfers reduce into these
+        if error_feedback is not None:
+            set_error_feedback(error_feedback, self._backend)
 
     # -- identity -----------------------------------------------------------
 
@@ -98,8 +138,11 @@ class Reducer(KVStoreBase):
         for it, so repeated calls allocate no host arrays.
         """
         keys, values, outs = self._normalize(key, value, out)
+        feedback = _feedback_for(self._backend)
 
         def start(buffer: np.ndarray, transfer_key: str) -> Future:
+            if feedback is not None:  # the transfer's last residue, added in place
+                feedback.apply(transfer_key, buffer)
             return self._backend.allreduce_async(buffer, transfer_key, self._op, out=buffer)
 
         try:

@@ -6,7 +6,7 @@ from typing import Any
 
 from mxnet import gluon
 
-from reducer_client.mxnet.kvstore import Reducer
+from reducer_client.mxnet.kvstore import Reducer, set_error_feedback
 
 __all__ = ["DistributedTrainer"]
 
@@ -21,13 +21,17 @@ class DistributedTrainer(gluon.Trainer):
     passed in keeps its own op. The plain Trainer calls pushpull once per
     parameter (one round trip each); this one passes every dense gradient
     at once, so small ones are packed together and all travel concurrently.
+    error_feedback: on or off for the store's client (kvstore.set_error_feedback;
+    None: as chosen, by default on for the 8-bit wires).
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None,
-                 **kwargs: Any) -> None:
-        super().__init__(params, optimizer, optimizer_params,
-                         kvstore=kvstore if kvstore is not None else Reducer(op="mean"),
-                         **kwargs)
+                 error_feedback: bool | None = None, **kwargs: Any) -> None:
+        if kvstore is None:
+            kvstore = Reducer(op="mean")
+        if error_feedback is not None and isinstance(kvstore, Reducer):
+            set_error_feedback(error_feedback, kvstore._backend)
+        super().__init__(params, optimizer, optimizer_params, kvstore=kvstore, **kwargs)
 
     def _allreduce_grads(self) -> None:
         if not self._kvstore:
