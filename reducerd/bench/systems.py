@@ -129,6 +129,9 @@ class _Bucket:
     def buffer(self) -> Any:
         return self._buffer
 
+    def parameters(self) -> list[Any]:
+        return []  # join() would copy them from the last joiner; the bench never joins
+
 
 class DdpHookComm(ReducerdComm):
     """A float32 DDP bucket through reducer_client.torch.allreduce_hook, as DDP calls it.
