@@ -5,6 +5,7 @@
     kv = mx.kv.create("reducer")           # configured by ReducerClient.from_env()
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
     trainer = reducer_client.mxnet.DistributedTrainer(net.collect_params(), "sgd", {...})
+    reducer_client.mxnet.set_error_feedback(False)  # on by default for the 8-bit wires
 
 Pass the store object, not the string: gluon.Trainer(kvstore="reducer") on a
 single device quietly uses no kvstore at all (MXNet only creates non-"dist"
@@ -85,7 +86,7 @@ from reducer_client.mxnet.compat import (
     grouped_allreduce,
     grouped_allreduce_,
 )
-from reducer_client.mxnet.kvstore import DEFAULT_FUSION_BYTES, Reducer
+from reducer_client.mxnet.kvstore import DEFAULT_FUSION_BYTES, Reducer, set_error_feedback
 from reducer_client.process import shim_basics
 
 # Bound once in reducer_client.process, as Horovod binds its basics into each
@@ -101,4 +102,5 @@ __all__ = ["Reducer", "DistributedTrainer", "DEFAULT_FUSION_BYTES", "ReducerErro
            "grouped_allreduce", "grouped_allreduce_", "allgather", "broadcast", "broadcast_",
            "broadcast_object", "allgather_object", "broadcast_parameters", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
-           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
+           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+           "set_error_feedback"]

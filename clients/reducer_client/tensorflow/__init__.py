@@ -9,6 +9,7 @@
     tape = rtf.DistributedGradientTape(tape)            # custom training loops
     t = rtf.allreduce(tensor, name="x", op="mean")
     rtf.rank(), rtf.size(), rtf.local_rank(), rtf.local_size(), rtf.shutdown()
+    rtf.set_error_feedback(False)                       # on by default for the 8-bit wires
 
 Horovod's names with Horovod's meaning (horovod.tensorflow and
 horovod.tensorflow.keras; `import reducer_client.tensorflow.keras as hvd`
@@ -86,6 +87,7 @@ from reducer_client.tensorflow.horovod_optimizer import (
     DistributedOptimizer,
 )
 from reducer_client.tensorflow.optimizer import load_model
+from reducer_client.tensorflow.steps import set_error_feedback
 
 # Bound once in reducer_client.process, as Horovod binds its basics into each
 # framework module; init also says (once, on rank 0) where the default wire
@@ -100,7 +102,7 @@ __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "loca
            "DistributedOptimizer", "DistributedGradientTape",
            "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "load_model",
-           "callbacks", "elastic", "ReducerError", "Compression", "Average", "Sum", "Adasum", "Min",
-           "Max", "Product", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-           "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
-           "cuda_built", "rocm_built"]
+           "callbacks", "elastic", "set_error_feedback", "ReducerError", "Compression",
+           "Average", "Sum", "Adasum", "Min", "Max", "Product", "mpi_built", "mpi_enabled",
+           "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
+           "ccl_built", "cuda_built", "rocm_built"]
