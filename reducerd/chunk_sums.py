@@ -91,6 +91,12 @@ class PooledSums:
 
     # -- loop thread ---------------------------------------------------------
 
+    def takes(self, part: Contribution) -> bool:
+        """Whether the chunk `part` opens is summed on the pool: a hand-off to a
+        summing thread and back costs about as much CPU as adding 100-200 KiB
+        (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline."""
+        return len(part.data) >= self.pool.min_chunk_bytes
+
     def open(self, cid: ChunkId, chunk: OpenChunk, part: Contribution) -> None:
         """Queue the chunk's first contribution (copied into its accumulator)."""
         sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition())

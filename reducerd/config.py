@@ -30,6 +30,9 @@ MAX_OPEN_CHUNKS_PER_JOB = 65536
 DEFAULT_MAX_WORLD_SIZE = 65536
 _WORLD_SIZE_FIELD_MAX = (1 << 32) - 1  # Shard.world_size is a uint32
 MAX_THREADS = 1024
+# Measured (docs/scaling.md): the summing threads' hand-off costs ~45 us per
+# contribution, as much as adding 0.5 MiB of float16 with the C kernel.
+DEFAULT_POOL_CHUNK_BYTES = 1 << 20
 
 
 def available_cpus() -> int:
@@ -82,6 +85,10 @@ class Config:
     data_listen: str = "auto"
     # Summing threads (reducerd.summing); 1: the event loop's thread sums inline.
     threads: int = field(default_factory=available_cpus)
+    # With threads > 1: chunks of at least this many wire bytes per contribution
+    # are summed on the summing threads, smaller ones inline on the loop thread
+    # (a hand-off there and back costs the CPU of adding 100-200 KiB; 0: all).
+    pool_chunk_bytes: int = DEFAULT_POOL_CHUNK_BYTES
     # Not an option: REDUCER_WIRE_NUMPY=1 sums and converts in NumPy instead of
     # reducer_wire's C kernels (same results; for comparison and debugging).
     wire_numpy: bool = False
@@ -148,6 +155,8 @@ class Config:
         if not 1 <= self.threads <= MAX_THREADS:
             raise ConfigError(f"threads: must be between 1 and {MAX_THREADS}, got "
                               f"{self.threads}")
+        if self.pool_chunk_bytes < 0:
+            raise ConfigError(f"pool_chunk_bytes: must be >= 0, got {self.pool_chunk_bytes}")
         if self.metrics_max_jobs < 0:
             raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
         self._validate_credential()
@@ -263,6 +272,7 @@ _FLAGS = {
     "--data-listen": "data_listen",
     "--max-world-size": "max_world_size",
     "--threads": "threads",
+    "--pool-chunk-bytes": "pool_chunk_bytes",
 }
 _HELP = {
     "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
@@ -292,6 +302,9 @@ _HELP = {
                       f"{DEFAULT_MAX_WORLD_SIZE})",
     "threads": f"summing threads, chunks spread over them (default: the CPUs this process "
                f"may run on, {available_cpus()} here; 1 sums on the event loop's thread)",
+    "pool_chunk_bytes": f"with --threads > 1, sum chunks of at least this many wire bytes on "
+                        f"the summing threads, smaller ones on the event loop's thread "
+                        f"(default {DEFAULT_POOL_CHUNK_BYTES}; 0: every chunk)",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
                    "the default) or 'off'; over TLS under --tls-cert",
 }

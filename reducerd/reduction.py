@@ -3,8 +3,8 @@
 Pure Python and NumPy, no gRPC: the session checks and routes shards here
 and delivers what this module returns. Every method runs on the daemon's event
 loop thread, so the table needs no lock. With a SummingPool (--threads N > 1)
-the arithmetic runs on summing threads (reducerd.chunk_sums): the table still
-counts every contribution here, and a completed chunk's result comes back to
+a chunk of --pool-chunk-bytes or more is summed on summing threads (chunk_sums):
+the table still counts every contribution here, and its result comes back to
 land_result, which delivers it through `on_deliveries`.
 
 Numerics: each chunk owns one float32 accumulator. The first contribution is
@@ -98,7 +98,7 @@ class ReductionTable:
         self.max_cached_bytes = max_inflight_bytes // 2
         self._scratch = accumulate.WideningBuffer()
         self.accepting_new_chunks = True
-        # None: the loop thread sums inline. Else results land later, via on_deliveries.
+        # None: the loop thread sums inline. Else pooled chunks land via on_deliveries.
         self._pooled = PooledSums(summing, self) if summing is not None else None
         self.on_deliveries: Callable[[list[Delivery]], None] = _undelivered
 
@@ -199,8 +199,8 @@ class ReductionTable:
         open_chunk.sinks[sink] = None
         if part.rank in open_chunk.ranks:
             return []  # a retry: already counted, this stream just waits too
-        if self._pooled is not None:
-            self._pooled.add(open_chunk, part)  # in the order counted here
+        if open_chunk.sums is not None:
+            self._pooled.add(open_chunk, part)  # type: ignore[union-attr] # in counted order
         else:
             accumulate.add_wire_into(open_chunk.acc, part.data, part.dtype,
                                      self._scratch.for_part(part.dtype, part.numel))
@@ -283,7 +283,7 @@ class ReductionTable:
             chunk = OpenChunk(first_rank=part.rank, world_size=part.world_size,
                               dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
                               started_s=now, ranks={part.rank}, sinks={sink: None})
-            if self._pooled is not None:
+            if self._pooled is not None and self._pooled.takes(part):
                 self._pooled.open(cid, chunk, part)  # its last task gives the room back
             else:
                 accumulate.copy_wire_into(acc, part.data, part.dtype)
@@ -298,8 +298,8 @@ class ReductionTable:
         return []
 
     def _complete(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> list[Delivery]:
-        if self._pooled is not None:  # open until its summing thread lands the result
-            self._pooled.finish(chunk)
+        if chunk.sums is not None:  # open until its summing thread lands the result
+            self._pooled.finish(chunk)  # type: ignore[union-attr]
             return []
         return [self._completed(cid, chunk, job, narrow_result(cid, chunk))]
 

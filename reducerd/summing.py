@@ -65,10 +65,16 @@ class _Partition:
 class SummingPool:
     """N summing threads, one FIFO each; tasks run as task(scratch, *args)."""
 
-    def __init__(self, threads: int, queued_bytes_at_most: int | None = None) -> None:
+    def __init__(self, threads: int, queued_bytes_at_most: int | None = None,
+                 min_chunk_bytes: int = 0) -> None:
         if threads < 1:
             raise ValueError(f"threads: must be >= 1, got {threads}")
+        if min_chunk_bytes < 0:
+            raise ValueError(f"min_chunk_bytes: must be >= 0, got {min_chunk_bytes}")
         self.threads = threads
+        # Chunks of fewer wire bytes per contribution are summed on the loop
+        # thread instead (reducerd.chunk_sums.PooledSums.takes).
+        self.min_chunk_bytes = min_chunk_bytes
         self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
                                      else threads * QUEUED_BYTES_PER_THREAD)
         self._parts = [_Partition() for _ in range(threads)]
@@ -100,7 +106,8 @@ class SummingPool:
                                       name=f"reducerd-sum-{index}")
             worker.start()
             self._workers.append(worker)
-        log.info("summing on %d threads", self.threads)
+        log.info("summing on %d threads (chunks of %d wire bytes or more; smaller ones on "
+                 "the event loop's thread)", self.threads, self.min_chunk_bytes)
 
     @property
     def started(self) -> bool:

@@ -80,7 +80,8 @@ def reaped_children_cpu_s() -> float:
 
 
 def measure(threads: int, args: argparse.Namespace) -> dict[str, Any]:
-    daemon = start_daemon("--threads", str(threads), "--round-timeout", "120",
+    daemon = start_daemon("--threads", str(threads), "--pool-chunk-bytes", "0",
+                          "--round-timeout", "120",
                           "--max-inflight-bytes", str(args.max_inflight_bytes))
     try:
         deadline = time.monotonic() + 10

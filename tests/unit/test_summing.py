@@ -209,6 +209,35 @@ def test_pooled_sums_are_the_inline_sums_bit_for_bit(loop_and_pool, dtype, op):
     assert table.open_chunk_count == 0 and table.jobs["job"].chunks_completed == chunks
 
 
+def test_chunks_below_the_pool_size_are_summed_inline_beside_pooled_ones(loop_and_pool):
+    """--pool-chunk-bytes: a small chunk completes inside contribute (the loop
+    thread summed it), a large one lands later from its summing thread; both
+    give the inline table's bytes, and nothing stays held."""
+    loop, pool = loop_and_pool(2, min_chunk_bytes=4096)
+    table = ReductionTable(5.0, 1 << 30, summing=pool)
+    delivered: list = []
+    table.on_deliveries = delivered.extend
+    inline = ReductionTable(5.0, 1 << 30)
+    rng = np.random.default_rng(11)
+    small, large = ChunkId("job", "k", 0, 0), ChunkId("job", "k", 0, 1 << 20)
+    now = {}
+    for cid, numel in ((small, 2047), (large, 2048)):  # float16: 4094 and 4096 bytes
+        for rank in range(3):
+            p = part(rank, rng.standard_normal(numel), 3)
+            now[cid] = table.contribute(cid, p, f"s{rank}")
+            expected = inline.contribute(cid, p, f"s{rank}")
+        assert len(expected) == 1
+        now[cid, "expected"] = bytes(expected[0].data)
+    (inline_done,) = now[small]
+    assert bytes(inline_done.data) == now[small, "expected"] and not delivered
+    assert now[large] == []  # being summed on a summing thread
+    loop.run(pool)
+    (pooled_done,) = delivered
+    assert pooled_done.chunk == large and bytes(pooled_done.data) == now[large, "expected"]
+    assert table.bytes_held == 0 and table.budget.transport_bytes == 0
+    assert table.jobs["job"].chunks_completed == 2
+
+
 def test_two_contributors_in_either_order_are_bit_identical(loop_and_pool):
     loop, pool, table, delivered = pooled_table(loop_and_pool)
     rng = np.random.default_rng(3)
@@ -315,6 +344,10 @@ def test_threads_default_to_the_cpus_the_process_may_run_on(tmp_path):
     assert parse("--config", str(toml)).threads == 5
     with pytest.raises(ConfigError, match="threads: must be between 1 and 1024, got 0"):
         parse("--threads", "0")
+    assert parse().pool_chunk_bytes == 1 << 20
+    assert parse("--pool-chunk-bytes", "0").pool_chunk_bytes == 0
+    with pytest.raises(ConfigError, match="pool_chunk_bytes: must be >= 0, got -1"):
+        parse("--pool-chunk-bytes", "-1")
     # Pinned to one CPU (as reducerd@N.service is): one thread, the inline path.
     one_cpu = min(os.sched_getaffinity(0))
     done = subprocess.run([sys.executable, "-m", "reducerd", "--print-config"],
