@@ -113,9 +113,15 @@ class Staging:
         self._feedback_chosen = False
 
     def set_feedback(self, reducer: Reducer, enabled: bool) -> None:
-        """Error feedback on (for reducer's wire dtype) or off for every key."""
+        """Error feedback on (for reducer's wire dtype) or off for every key.
+
+        On is ErrorFeedback.for_reducer's: under node-local aggregation the
+        node's slice senders keep the residue (a NodeFeedback), as the
+        default does; a worker-side residue there would feed back a rounding
+        that never went on the wire.
+        """
         with self._lock:
-            self._feedback = ErrorFeedback(reducer.wire_dtype) if enabled else None
+            self._feedback = ErrorFeedback.for_reducer(reducer) if enabled else None
             self._feedback_chosen = True
 
     def _compensate(self, reducer: Reducer, key: str, values: np.ndarray) -> None:
@@ -255,9 +261,11 @@ def set_error_feedback(enabled: bool, reducer: Reducer | None = None) -> None:
     """Error feedback on or off for the DDP hook and the DistributedOptimizer.
 
     On by default for the 8-bit wires ("int8", "fp8_e4m3", "fp8_e5m2")
-    without node-local aggregation (reducer_client.feedback): each bucket
-    keeps what quantization dropped from this worker's gradient and adds it
-    to the next step's. reducer: the Reducer to set it for (None: init()'s).
+    (reducer_client.feedback): each bucket keeps what quantization dropped
+    from this worker's gradient and adds it to the next step's; under
+    node-local aggregation the local rank that sends each slice of the
+    node's sum keeps that slice's residue instead. reducer: the Reducer to
+    set it for (None: init()'s).
     """
     reducer = resolve(reducer)
     staging_for(reducer).set_feedback(reducer, enabled)
