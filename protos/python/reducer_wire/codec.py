@@ -54,15 +54,15 @@ _FIELDS = {1: ("job", "str"), 2: ("rank", "u32"), 3: ("world_size", "u32"),
            13: ("priority", "u32"), 14: ("incarnation", "u64")}
 
 
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
-        if pos >= len(buf):
+        if pos >= end:
             raise DecodeError("truncated varint")
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
+        if byte < 0x80:
             return result, pos
         shift += 7
         if shift >= 70:
@@ -70,23 +70,32 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def decode_shard(message: bytes | memoryview) -> ShardView:
-    """Parse a serialized Shard; raise DecodeError when it is not one."""
+    """Parse a serialized Shard; raise DecodeError when it is not one.
+
+    On the daemon's path for every frame: one-byte varints (every tag, and
+    most values and lengths) are read inline, without a call."""
     buf = memoryview(message).cast("B")
     values: dict[str, object] = {}
     pos, end = 0, len(buf)
     while pos < end:
-        tag, pos = _varint(buf, pos)
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(buf, pos, end)
         number, wire_type = tag >> 3, tag & 7
         if number == 0 or number >= 1 << 29:
             raise DecodeError(f"field number {number} out of range")
         value: int | memoryview
-        if wire_type == 0:
-            value, pos = _varint(buf, pos)
-        elif wire_type == 2:
-            size, pos = _varint(buf, pos)
-            if pos + size > end:
-                raise DecodeError("truncated length-delimited field")
-            value, pos = buf[pos:pos + size], pos + size
+        if wire_type == 0 or wire_type == 2:
+            if pos < end and buf[pos] < 0x80:
+                value, pos = buf[pos], pos + 1
+            else:
+                value, pos = _varint(buf, pos, end)
+            if wire_type == 2:
+                if pos + value > end:
+                    raise DecodeError("truncated length-delimited field")
+                value, pos = buf[pos:pos + value], pos + value
         elif wire_type in (1, 5):
             pos += 8 if wire_type == 1 else 4
             if pos > end:
@@ -100,13 +109,13 @@ def decode_shard(message: bytes | memoryview) -> ShardView:
         name, kind = field
         if (kind in ("str", "bytes")) != (wire_type == 2):
             continue  # a known number with another wire type: unknown, as protobuf does
-        if kind == "str":
+        if kind == "bytes":
+            values[name] = value
+        elif kind == "str":
             try:
                 values[name] = bytes(value).decode("utf-8")  # type: ignore[arg-type]
             except UnicodeDecodeError:
                 raise DecodeError(f"field {name} is not valid UTF-8") from None
-        elif kind == "bytes":
-            values[name] = value
         elif kind == "u32":
             values[name] = value & _U32  # type: ignore[operator]
         elif kind == "enum":  # int32 on the wire: sign-extend from 64 bits
