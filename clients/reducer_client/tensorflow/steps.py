@@ -14,10 +14,11 @@ Reducer that op runs through, one per optimizer (one per tape name):
   or an elastic reset counts); its tag is registered when the optimizer is
   made (when a client is set by then) or at its first step.
 - error feedback (reducer_client.feedback): on by default for the 8-bit
-  wires (int8, fp8_e4m3, fp8_e5m2) without node-local aggregation; what
-  quantization dropped from this worker's step is added to its next step
-  of the same key. set_error_feedback(enabled, reducer) switches it for a
-  client, as the torch shim's does. A joined rank's zeros get no residual.
+  wires (int8, fp8_e4m3, fp8_e5m2); what quantization dropped from this
+  worker's step is added to its next step of the same key (under node-local
+  aggregation the node's slice senders keep it, node/residues.py).
+  set_error_feedback(enabled, reducer) switches it for a client, as the
+  torch shim's does. A joined rank's zeros get no residual.
 
 Cost per step beyond the data: the control round (124 bytes per rank, one
 round trip beside the data); with feedback one copy, quantization and
@@ -158,9 +159,11 @@ class GradientSteps:
             setting = _feedback_setting.get(base)
         with self._state_lock:
             if entry.feedback_setting != setting:
-                wire = entry.steps.wire_dtype
+                # for_reducer: under node-local aggregation the node's slice
+                # senders keep the residue (a NodeFeedback), as by default.
                 entry.feedback = (ErrorFeedback.default_for(entry.steps) if setting is None
-                                  else ErrorFeedback(wire) if setting else None)
+                                  else ErrorFeedback.for_reducer(entry.steps) if setting
+                                  else None)
                 entry.feedback_setting = setting
             return entry.feedback
 
@@ -226,7 +229,7 @@ def set_error_feedback(enabled: bool, reducer: Reducer | None = None) -> None:
     """Error feedback on or off for the DistributedOptimizer and DistributedGradientTape.
 
     On by default for the 8-bit wires ("int8", "fp8_e4m3", "fp8_e5m2")
-    without node-local aggregation (reducer_client.feedback): each step's
+    (reducer_client.feedback; node-local: NodeFeedback): each step's
     key keeps what quantization dropped from this worker's gradients and
     adds it to the next step's. reducer: the client to set it for (None:
     init()'s); an optimizer made with reducer= is set through that reducer.
