@@ -12,7 +12,10 @@ CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback.
 
 commit keeps a copy of the model's (and optimizer's) variable values;
 restore assigns them back (and drops the error-feedback residuals, which
-belong to the steps undone); sync copies rank 0's to every rank.
+belong to the steps undone); sync copies rank 0's to every rank and makes
+them the commit, as Horovod's and TorchState's do (a worker that just joined
+rolls back to rank 0's state, not its own). HostsUpdatedInterrupt is what
+every rank's commit raises when a worker was admitted (REDUCER_ELASTIC_JOIN).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from reducer_client.elastic import ObjectState
+from reducer_client.elastic import HostsUpdatedInterrupt, ObjectState
 from reducer_client.elastic import make_run as _make_run
 from reducer_client.tensorflow._basics import basics as _basics
 from reducer_client.tensorflow._bridge import original_error
@@ -32,7 +35,7 @@ from reducer_client.tensorflow.compat import broadcast_object, broadcast_variabl
 from reducer_client.tensorflow.steps import forget_feedback
 
 __all__ = ["run", "TensorFlowKerasState", "KerasState", "ObjectState", "CommitStateCallback",
-           "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+           "UpdateBatchStateCallback", "UpdateEpochStateCallback", "HostsUpdatedInterrupt"]
 
 _run = _make_run(_basics)
 
@@ -90,8 +93,10 @@ class TensorFlowKerasState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """Rank 0's variables and attributes on every rank, and the commit."""
         broadcast_variables(self._variables(), root_rank=0)
-        super().sync()
+        self._save_variables()
+        super().sync()  # ObjectState: the attributes of rank 0's commit, saved
 
 
 KerasState = TensorFlowKerasState
