@@ -64,9 +64,13 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int, transport_reserve_bytes: int = 0) -> None:
         self.limit_bytes = limit_bytes
         self.transport_reserve_bytes = min(transport_reserve_bytes, limit_bytes)
-        # _cond guards the two counts; taken by the loop thread and the
-        # data plane's threads. Waiters are woken whenever bytes are given back.
-        self._cond = threading.Condition()
+        # _lock guards the two counts and _waiting; taken by the loop thread,
+        # the summing threads and the data plane's threads (several times a
+        # frame: held without the Condition's Python wrapper). Waiters are
+        # woken whenever bytes are given back while one waits.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0
         self._accumulators = 0
         self._transport = 0
 
@@ -80,12 +84,12 @@ class MemoryBudget:
 
     @property
     def held_bytes(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._accumulators + self._transport
 
     def take_accumulator(self, nbytes: int) -> bool:
         """Take room for an accumulator; False when that would pass the limit."""
-        with self._cond:
+        with self._lock:
             used = self._accumulators + max(self._transport, self.transport_reserve_bytes)
             if used + nbytes > self.limit_bytes:
                 return False
@@ -93,13 +97,14 @@ class MemoryBudget:
             return True
 
     def give_accumulator(self, nbytes: int) -> None:
-        with self._cond:
+        with self._lock:
             self._accumulators -= nbytes
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def fits_transport(self, nbytes: int) -> bool:
         """Whether `nbytes` more for a transport would stay within the limit."""
-        with self._cond:
+        with self._lock:
             return self._accumulators + self._transport + nbytes <= self.limit_bytes
 
     def reserve(self, nbytes: int, timeout_s: float) -> bool:
@@ -107,21 +112,27 @@ class MemoryBudget:
         room; False if none came (or it can never fit)."""
         if nbytes > self.limit_bytes:
             return False
-        with self._cond:
-            if not self._cond.wait_for(
-                    lambda: self._accumulators + self._transport + nbytes <= self.limit_bytes,
-                    timeout_s):
-                return False
+        with self._lock:
+            if self._accumulators + self._transport + nbytes > self.limit_bytes:
+                self._waiting += 1
+                try:
+                    if not self._cond.wait_for(
+                            lambda: self._accumulators + self._transport + nbytes
+                            <= self.limit_bytes, timeout_s):
+                        return False
+                finally:
+                    self._waiting -= 1
             self._transport += nbytes
             return True
 
     def take_transport(self, nbytes: int) -> None:
         """Count `nbytes` a transport holds anyway (a reply queued for sending)."""
-        with self._cond:
+        with self._lock:
             self._transport += nbytes
 
     def give_transport(self, nbytes: int) -> None:
         if nbytes:
-            with self._cond:
+            with self._lock:
                 self._transport -= nbytes
-                self._cond.notify_all()
+                if self._waiting:
+                    self._cond.notify_all()

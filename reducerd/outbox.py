@@ -136,34 +136,51 @@ class ThreadOutbox(_Counted):
     def __init__(self, budget: MemoryBudget | None = None) -> None:
         super().__init__(budget)
         self._items = _Ordered()
-        # _cond guards _items and the counts; the loop, writer and reader threads take it.
-        self._cond = threading.Condition()
+        # _lock guards _items, the counts and _waiting; the loop, writer and
+        # reader threads take it. Held without the Condition's Python wrapper
+        # where nobody waits, and notified only while someone does (every
+        # frame passes here several times).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in get() or wait_below()
 
     def put_nowait(self, item: Any, priority: int = 0) -> None:
-        with self._cond:
+        with self._lock:
             self._count(item)
             self._items.push(item, priority)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def get(self) -> Any:
-        with self._cond:
+        with self._lock:
             while not self._items:
-                self._cond.wait()
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
             return self._items.pop()
 
     def sent(self, item: Any) -> None:
-        with self._cond:
+        with self._lock:
             self._uncount(item)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def wait_below(self, frames: int, nbytes: int, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until fewer than `frames` items and `nbytes`
         bytes wait to be sent; whether they do."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: len(self._items) < frames and self.unsent_bytes < nbytes, timeout_s)
+        with self._lock:
+            if len(self._items) < frames and self.unsent_bytes < nbytes:
+                return True
+            self._waiting += 1
+            try:
+                return self._cond.wait_for(
+                    lambda: len(self._items) < frames and self.unsent_bytes < nbytes, timeout_s)
+            finally:
+                self._waiting -= 1
 
     def discard(self) -> None:
-        with self._cond:
+        with self._lock:
             self._uncount_all()
             self._cond.notify_all()

@@ -88,14 +88,16 @@ def decode_shard(message: bytes | memoryview) -> ShardView:
             raise DecodeError(f"field number {number} out of range")
         value: int | memoryview
         if wire_type == 0 or wire_type == 2:
+            number_value: int
             if pos < end and buf[pos] < 0x80:
-                value, pos = buf[pos], pos + 1
+                number_value, pos = buf[pos], pos + 1
             else:
-                value, pos = _varint(buf, pos, end)
+                number_value, pos = _varint(buf, pos, end)
+            value = number_value
             if wire_type == 2:
-                if pos + value > end:
+                if pos + number_value > end:
                     raise DecodeError("truncated length-delimited field")
-                value, pos = buf[pos:pos + value], pos + value
+                value, pos = buf[pos:pos + number_value], pos + number_value
         elif wire_type in (1, 5):
             pos += 8 if wire_type == 1 else 4
             if pos > end:
