@@ -7,7 +7,13 @@ from pathlib import Path
 
 from reducerd.bench import arguments as shared
 from reducerd.bench.arguments import UsageError
-from reducerd.bench.config import BASELINE_CHOICES, WIRE_DTYPE_NAMES, BenchConfig, systems_for
+from reducerd.bench.config import (
+    BASELINE_CHOICES,
+    REDUCERD_WIRE_BASELINES,
+    WIRE_DTYPE_NAMES,
+    BenchConfig,
+    systems_for,
+)
 from reducerd.bench.units import parse_sizes
 
 __all__ = ["main", "build_parser", "config_from_argv", "UsageError"]
@@ -37,9 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed iterations per size (default 10)")
     parser.add_argument("--warmup", type=int, default=3, metavar="K",
                         help="untimed iterations per size first (default 3)")
+    gloo_mxnet = ", ".join(w for w in BASELINE_CHOICES if w not in REDUCERD_WIRE_BASELINES)
     parser.add_argument("--baselines", default="gloo,mxnet", metavar="LIST",
-                        help=f"comma-separated, from {', '.join(BASELINE_CHOICES)} "
-                             "(default gloo,mxnet; gloo means float32 and float16)")
+                        help=f"comma-separated, from {gloo_mxnet}, or reducerd-DTYPE "
+                             f"(DTYPE one of {', '.join(WIRE_DTYPE_NAMES)}: reducerd's "
+                             "core path over that wire dtype on fresh daemons, e.g. "
+                             "--wire-dtype int8 --baselines reducerd-float16; not "
+                             "--wire-dtype itself) (default gloo,mxnet; gloo means "
+                             "float32 and float16)")
     parser.add_argument("--no-ddp-hook", dest="ddp_hook", action="store_false",
                         help="do not time the PyTorch shim's path (a DDP bucket through "
                              "reducer_client.torch.allreduce_hook, system "
@@ -67,6 +78,11 @@ def config_from_argv(argv: list[str]) -> BenchConfig:
         baselines = systems_for([w.strip() for w in args.baselines.split(",") if w.strip()])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    itself = f"reducerd-{args.wire_dtype}"
+    if itself in baselines:
+        raise UsageError(f"--baselines {itself} is reducerd itself with --wire-dtype "
+                         f"{args.wire_dtype}: compare another wire dtype (e.g. "
+                         f"--wire-dtype int8 --baselines reducerd-float16)")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.daemons < 1:

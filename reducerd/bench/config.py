@@ -5,14 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "BASELINE_CHOICES", "WIRE_DTYPE_NAMES",
-           "wire_nbytes", "systems_for"]
+__all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "REDUCERD_WIRE_BASELINES",
+           "BASELINE_CHOICES", "WIRE_DTYPE_NAMES", "wire_nbytes", "systems_for"]
 
+# --wire-dtype choices: reducer_wire.dtypes.WIRE_DTYPES's names, written out so
+# that `bench --help` imports no NumPy (tests/unit/test_quant.py checks they agree).
+WIRE_DTYPE_NAMES = ("float16", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")
+# reducerd's core path over a fixed wire dtype, as a baseline beside the
+# --wire-dtype one in the same run (e.g. int8 against "reducerd-float16").
+REDUCERD_WIRE_BASELINES = tuple(f"reducerd-{name}" for name in WIRE_DTYPE_NAMES)
 # Every system the bench knows, in the order it runs them (and prints them).
-SYSTEMS = ("reducerd", "reducerd-ddp-hook", "gloo-float32", "gloo-float16", "mxnet-ps")
-# The systems that run on reducerd daemons: the core's allreduce(out=), and a
-# DDP bucket through reducer_client.torch.allreduce_hook (the shim's path).
-REDUCERD_SYSTEMS = ("reducerd", "reducerd-ddp-hook")
+SYSTEMS = ("reducerd", "reducerd-ddp-hook", *REDUCERD_WIRE_BASELINES, "gloo-float32",
+           "gloo-float16", "mxnet-ps")
+# The systems that run on reducerd daemons: the core's allreduce(out=), a DDP
+# bucket through reducer_client.torch.allreduce_hook (the shim's path), and
+# the core's over each fixed wire dtype.
+REDUCERD_SYSTEMS = ("reducerd", "reducerd-ddp-hook", *REDUCERD_WIRE_BASELINES)
 # --baselines words -> systems.
 BASELINE_CHOICES = {
     "gloo": ("gloo-float32", "gloo-float16"),
@@ -20,11 +28,9 @@ BASELINE_CHOICES = {
     "gloo-float16": ("gloo-float16",),
     "mxnet": ("mxnet-ps",),
     "mxnet-ps": ("mxnet-ps",),
+    **{system: (system,) for system in REDUCERD_WIRE_BASELINES},
     "none": (),
 }
-# --wire-dtype choices: reducer_wire.dtypes.WIRE_DTYPES's names, written out so
-# that `bench --help` imports no NumPy (tests/unit/test_quant.py checks they agree).
-WIRE_DTYPE_NAMES = ("float16", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")
 
 
 def wire_nbytes(wire_dtype: str, numel: int) -> int:
@@ -64,6 +70,15 @@ class BenchConfig:
     def systems(self) -> tuple[str, ...]:
         return ("reducerd", *(("reducerd-ddp-hook",) if self.ddp_hook else ()),
                 *self.baselines)
+
+    def wire_dtype_of(self, system: str) -> str:
+        """The wire dtype a reducerd system sends: its own for "reducerd-float16" etc.,
+        --wire-dtype for "reducerd" and "reducerd-ddp-hook"."""
+        if system in REDUCERD_WIRE_BASELINES:
+            return system.removeprefix("reducerd-")
+        if system in REDUCERD_SYSTEMS:
+            return self.wire_dtype
+        raise ValueError(f"{system!r} does not run on reducerd")
 
     @property
     def nodes(self) -> int:

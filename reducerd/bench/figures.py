@@ -31,7 +31,7 @@ MXNET_BIGARRAY_BOUND = 1_000_000
 def _model_bytes(system: str, size_bytes: int, config: BenchConfig) -> int:
     """Bytes of one float32 gradient of `size_bytes` in the system's wire dtype."""
     if system in REDUCERD_SYSTEMS:
-        wire = config.wire_dtype
+        wire = config.wire_dtype_of(system)
     elif system == "mxnet-ps":
         wire = config.mxnet_dtype
     else:

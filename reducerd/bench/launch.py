@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from reducerd.bench.config import REDUCERD_SYSTEMS, BenchConfig
+from reducerd.bench.config import REDUCERD_SYSTEMS, REDUCERD_WIRE_BASELINES, BenchConfig
 from reducerd.bench.netns import Cluster, Host, loopback_host
 from reducerd.bench.procs import Proc, ProcessSet
 from reducerd.bench.session import free_port, start_daemons
@@ -20,8 +20,10 @@ from reducerd.bench.session import free_port, start_daemons
 __all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
 
 # Inside our own namespaces every port is free; on loopback we ask the kernel.
+# Each system its own port, so that none waits on the previous one's sockets.
 _NETNS_PORTS = {"reducerd": 50051, "reducerd-ddp-hook": 50052, "gloo-float32": 29501,
-                "gloo-float16": 29502, "mxnet-ps": 9091}
+                "gloo-float16": 29502, "mxnet-ps": 9091,
+                **{system: 50053 + i for i, system in enumerate(REDUCERD_WIRE_BASELINES)}}
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,13 @@ def _port(system: str, host: Host) -> int:
 
 
 def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extra) -> str:
+    # A reducerd system's own wire dtype: what its client sends and its check allows.
+    wire_dtype = config.wire_dtype_of(system) if system in REDUCERD_SYSTEMS else \
+        config.wire_dtype
     return json.dumps({
         "system": system, "rank": rank, "world_size": config.workers,
         "sizes_bytes": list(config.sizes_bytes), "iters": config.iters,
-        "warmup": config.warmup, "wire_dtype": config.wire_dtype,
+        "warmup": config.warmup, "wire_dtype": wire_dtype,
         "mxnet_dtype": config.mxnet_dtype, "stall_timeout_s": config.stall_timeout_s,
         "chunk_bytes": config.chunk_bytes, "iface": host.iface, **extra})
 

@@ -2,6 +2,7 @@
 
 reducerd twice: the core's allreduce(out=) and a DDP bucket through the
 PyTorch shim's comm hook (the path a DDP user takes), then Gloo and MXNet.
+"reducerd-float16" etc. are the core's path again over that wire dtype.
 
 A `Comm` hides how one system allreduces; `run_sweep` times any of them the
 same way. Frameworks are imported inside the constructors, so this module
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from reducerd.bench.config import REDUCERD_SYSTEMS, REDUCERD_WIRE_BASELINES
 from reducerd.bench.netns import read_counters
 
 __all__ = ["Comm", "make_comm", "run_sweep", "rank_value"]
@@ -51,8 +53,8 @@ def _allowed_error(spec: dict[str, Any], expected: int) -> float:
     There: each positive contribution rounded (rel of S in all), the float32
     sum of N (g), the hook's division by N (2^-24), the result rounded (rel).
     """
-    rel = _EIGHT_BIT_REL.get(spec["wire_dtype"])
-    if rel is None or spec["system"] not in ("reducerd", "reducerd-ddp-hook"):
+    rel = _EIGHT_BIT_REL.get(spec["wire_dtype"])  # the system's own wire dtype
+    if rel is None or spec["system"] not in REDUCERD_SYSTEMS:
         return 0.0
     n = spec["world_size"]
     g = (n - 1) * 2.0 ** -24 / (1 - (n - 1) * 2.0 ** -24)
@@ -258,8 +260,8 @@ class MxnetComm(Comm):
 
 def make_comm(spec: dict[str, Any]) -> Comm:
     system = spec["system"]
-    if system == "reducerd":
-        return ReducerdComm(spec)
+    if system == "reducerd" or system in REDUCERD_WIRE_BASELINES:
+        return ReducerdComm(spec)  # "reducerd-float16" etc.: over spec["wire_dtype"]
     if system == "reducerd-ddp-hook":
         return DdpHookComm(spec)
     if system in ("gloo-float32", "gloo-float16"):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from reducerd.bench.cli import UsageError, config_from_argv, main
+from reducerd.bench.cli import UsageError, build_parser, config_from_argv, main
 from reducerd.bench.config import BenchConfig
 from reducerd.bench.figures import aggregate, line_rate_bound_s, theory_bytes_per_node
 from reducerd.bench.runner import _available
@@ -59,6 +59,10 @@ def test_times():
     (BASE + ["--emulate-delay", "1ms"], "needs --emulate-cluster"),
     (BASE + ["--iters", "0"], "--iters"),
     (BASE + ["--emulate-cluster", "1gbit", "--emulate-mtu", "100"], "--emulate-mtu"),
+    (BASE + ["--baselines", "reducerd-float16"], "reducerd-float16 is reducerd itself"),
+    (BASE + ["--wire-dtype", "int8", "--baselines", "gloo,reducerd-int8"],
+     "reducerd-int8 is reducerd itself"),
+    (BASE + ["--baselines", "reducerd-fp16"], "baseline 'reducerd-fp16'"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(UsageError, match=message):
@@ -84,6 +88,21 @@ def test_defaults():
         "reducerd", "reducerd-ddp-hook")
     assert config_from_argv(BASE + ["--baselines", "none", "--no-ddp-hook"]).systems == (
         "reducerd",)
+
+
+def test_reducerd_over_another_wire_dtype_is_a_baseline():
+    config = config_from_argv(BASE + ["--wire-dtype", "int8", "--baselines",
+                                      "gloo-float16,reducerd-float16,reducerd-fp8_e4m3"])
+    # Run order: reducerd's own paths, then reducerd over fixed wires, then the rest.
+    assert config.systems == ("reducerd", "reducerd-ddp-hook", "reducerd-float16",
+                              "reducerd-fp8_e4m3", "gloo-float16")
+    assert [config.wire_dtype_of(s) for s in config.systems[:4]] == [
+        "int8", "int8", "float16", "fp8_e4m3"]
+    with pytest.raises(ValueError, match="gloo-float16"):
+        config.wire_dtype_of("gloo-float16")
+    help_text = " ".join(build_parser().format_help().split())
+    assert "reducerd-DTYPE (DTYPE one of float16, bfloat16, float32, int8, fp8_e4m3, " \
+           "fp8_e5m2" in help_text
 
 
 def test_help_does_not_import_frameworks():
@@ -166,3 +185,33 @@ def test_result_check_is_exact_but_on_the_8bit_wires():
         for system in ("reducerd", "reducerd-ddp-hook"):
             allowed = _allowed_error(spec(system, wire), 10)
             assert 2 * rel * 10 < allowed < 2.1 * rel * (1 + rel) * 10, (wire, allowed)
+
+
+def test_theory_and_allowed_error_follow_each_reducerd_systems_own_wire_dtype():
+    import json
+
+    from reducerd.bench.launch import _worker_spec
+    from reducerd.bench.netns import loopback_host
+    from reducerd.bench.systems import _allowed_error
+
+    config = _config(wire_dtype="int8", emulate_cluster="200mbit", rate_bytes_per_s=25e6,
+                     baselines=("reducerd-float16", "reducerd-float32", "gloo-float16"))
+    numel = (16 << 20) // 4
+    int8_bytes = 4 * -(-numel // 128) + numel  # a float32 scale per 128 codes
+    assert theory_bytes_per_node("reducerd", 16 << 20, config) == int8_bytes
+    assert theory_bytes_per_node("reducerd-float16", 16 << 20, config) == 2 * numel
+    assert theory_bytes_per_node("reducerd-float32", 16 << 20, config) == 4 * numel
+    assert theory_bytes_per_node("gloo-float16", 16 << 20, config) == 1.5 * 2 * numel
+    # D = N/2: two models on each daemon link, in that system's own dtype.
+    assert line_rate_bound_s("reducerd-float16", 16 << 20, config) == 2 * 2 * numel / 25e6
+    host = loopback_host("n0")
+    specs = {s: json.loads(_worker_spec(s, 0, config, host)) for s in config.systems}
+    assert {s: spec["wire_dtype"] for s, spec in specs.items()} == {
+        "reducerd": "int8", "reducerd-ddp-hook": "int8", "reducerd-float16": "float16",
+        "reducerd-float32": "float32", "gloo-float16": "int8"}
+    # Exact sums on the 16- and 32-bit wires, the derived bound on int8 only.
+    assert _allowed_error({**specs["reducerd-float16"], "world_size": 4}, 10) == 0.0
+    assert _allowed_error({**specs["reducerd-float32"], "world_size": 4}, 10) == 0.0
+    assert _allowed_error({**specs["reducerd"], "world_size": 4}, 10) > 2 * 10 / 254
+    int8_baseline = {"system": "reducerd-int8", "wire_dtype": "int8", "world_size": 4}
+    assert _allowed_error(int8_baseline, 10) == _allowed_error(specs["reducerd"], 10)

@@ -6,6 +6,7 @@ Never asserts on timing: only that each figure is there, positive and consistent
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,23 @@ def test_failing_system_is_reported_and_the_rest_still_runs(tmp_path: Path):
     data = json.loads(out.read_text())
     check_results(data, ["reducerd"], [4096])
     assert "mxnet-ps" in data["config"]["failed"]
+
+
+def test_reducerd_over_float16_beside_the_int8_wire_in_one_run(tmp_path: Path):
+    """--wire-dtype int8 --baselines reducerd-float16: both on fresh daemons, both sums
+    checked by the workers (int8 within its bound, float16 exactly), one ratio."""
+    out = tmp_path / "bench.json"
+    done = run_bench("--workers", "2", "--daemons", "2", "--sizes", "1M", "--iters", "2",
+                     "--warmup", "1", "--baselines", "reducerd-float16", "--wire-dtype",
+                     "int8", "--no-ddp-hook", "--stall-timeout", "60", "--json", str(out))
+    assert done.returncode == 0, done.stderr + done.stdout
+    data = json.loads(out.read_text())
+    check_results(data, ["reducerd", "reducerd-float16"], [1 << 20])
+    config = data["config"]
+    assert config["systems"] == ["reducerd", "reducerd-float16"]
+    assert config["wire_dtype"] == "int8" and config["failed"] == {}
+    # The daemons' input after the first step: int8 codes and their scales.
+    numel = (1 << 20) // 4
+    assert config["reducerd_daemons"]["input_bytes"] == 2 * 2 * (4 * numel // 128 + numel)
+    assert "reducerd-float16" in done.stdout  # its row, with its ratio
+    assert re.search(r"reducerd-float16\s.*\d\.\d\dx", done.stdout), done.stdout

@@ -88,6 +88,31 @@ def test_emulated_cluster_counts_bytes_per_worker_and_node(tmp_path: Path):
         assert 1.5 * (256 << 10) <= ring["bytes_sent_per_node"] <= 1.15 * 1.5 * (256 << 10)
 
 
+def test_int8_beside_reducerd_float16_counts_each_wires_own_bytes(tmp_path: Path):
+    """--wire-dtype int8 --baselines reducerd-float16 on 2 nodes: each system's bytes
+    near its own dtype's theory (int8 with its scales), about half float16's."""
+    out = tmp_path / "bench.json"
+    bench = start_bench("--workers", "2", "--daemons", "1", "--sizes", "256K", "--iters", "2",
+                        "--warmup", "1", "--emulate-cluster", "10gbit", "--wire-dtype", "int8",
+                        "--baselines", "reducerd-float16", "--no-ddp-hook",
+                        "--stall-timeout", "60", "--json", str(out))
+    stdout, stderr = bench.communicate(timeout=120)
+    assert bench.returncode == 0, stderr + stdout
+    assert namespaces_of(bench.pid) == []
+    data = json.loads(out.read_text())
+    check_results(data, ["reducerd", "reducerd-float16"], [256 << 10], EMULATED_KEYS)
+    by_system = {r["system"]: r for r in data["results"]}
+    numel = (256 << 10) // 4
+    theory = {"reducerd": 4 * numel // 128 + numel, "reducerd-float16": 2 * numel}
+    for system, model in theory.items():
+        r = by_system[system]
+        assert r["theory_bytes_per_worker"] == model
+        for key in ("bytes_sent_per_worker", "bytes_received_per_worker"):
+            assert model <= r[key] <= 1.15 * model, (system, r)
+    assert by_system["reducerd"]["bytes_sent_per_worker"] < \
+        0.6 * by_system["reducerd-float16"]["bytes_sent_per_worker"]
+
+
 def test_interrupt_and_leftovers_leave_no_namespace():
     """A leftover of a dead run is removed at start; Ctrl-C mid-run removes everything."""
     dead_pid = (1 << 22) + 1 + os.getpid() % 1000  # above the largest pid_max Linux allows
