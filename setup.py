@@ -1,9 +1,10 @@
 """The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
-C) and reducer_wire._quant (the 8-bit wire formats in C).
+C), reducer_wire._quant (the 8-bit wire formats in C) and reducer_wire._codec
+(the Shard header parse).
 
-Everything else is declared in pyproject.toml. Both extensions are optional:
+Everything else is declared in pyproject.toml. The extensions are optional:
 where no C compiler is at hand the build goes on without them and
-reducer_wire.convert and reducer_wire.quant do the same work, more slowly, in
+reducer_wire.convert, .quant and .codec do the same work, more slowly, in
 NumPy, with the same bits.
 """
 
@@ -14,4 +15,6 @@ setup(ext_modules=[
               extra_compile_args=["-O3"], optional=True),
     Extension("reducer_wire._quant", ["protos/python/reducer_wire/_quant.c"],
               extra_compile_args=["-O3"], libraries=["m"], optional=True),
+    Extension("reducer_wire._codec", ["protos/python/reducer_wire/_codec.c"],
+              extra_compile_args=["-O2"], optional=True),
 ])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reducer_wire import convert
+from reducer_wire import codec, convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import (
     DecodeError,
@@ -107,3 +107,52 @@ def test_encoder_refuses_a_buffer_of_the_wrong_size_or_read_only():
         ShardEncoder(job="j", key="k", data_nbytes=-1)
     with pytest.raises(ValueError, match="made for 4"):
         encoder.join(b"123")
+
+
+def _python_decode(raw):
+    """What the Python parse alone gives: the view, or the error's text."""
+    try:
+        return _as_dict(codec._decode_in_python(memoryview(raw).cast("B")))
+    except DecodeError as exc:
+        return f"DecodeError: {exc}"
+
+
+def _decode(raw):
+    try:
+        return _as_dict(decode_shard(raw))
+    except DecodeError as exc:
+        return f"DecodeError: {exc}"
+
+
+_edge_bytes = st.sampled_from([b"\x80" * 10 + b"\x01", b"\xff" * 11, b"\x0a\x02\xc3\x28",
+                               b"\x12\x05", b"\x4a\x7f\x00", b"\x78\x01", b"\x7a\x00",
+                               b"\x10\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+                               b"\x10\xff\xff\xff\xff\xff\xff\xff\xff\x7f", b"\x38\xff\x01"])
+
+
+@pytest.mark.skipif(codec._c_codec is None, reason="reducer_wire._codec not built")
+@settings(max_examples=3000, deadline=None)
+@given(raw=st.binary(max_size=60)
+       | shards.map(lambda f: pb.Shard(**f).SerializeToString())
+       | st.tuples(shards, _edge_bytes, st.booleans()).map(
+           lambda t: (pb.Shard(**t[0]).SerializeToString() + t[1]) if t[2]
+           else (t[1] + pb.Shard(**t[0]).SerializeToString())))
+def test_the_c_parse_gives_the_python_parse_exactly(raw):
+    """Results and error messages alike: the C parse takes the plain case and
+    hands the rest (overlong varints, unknown fields, other wire types, bad
+    UTF-8) back to the Python parse."""
+    assert _decode(raw) == _python_decode(raw)
+
+
+@pytest.mark.skipif(codec._c_codec is None, reason="reducer_wire._codec not built")
+def test_the_c_parse_takes_the_plain_case_itself():
+    message = encode_shard(job="j", rank=3, world_size=4, round=7, key="k", offset=1 << 40,
+                           dtype=pb.DTYPE_FLOAT16, op=pb.REDUCE_OP_MEAN, data=b"\x01\x02" * 8,
+                           layout=(1 << 64) - 1, priority=2, incarnation=(1 << 63) + 5)
+    fields = codec._c_codec.decode_fields(memoryview(message))
+    assert fields is not None and fields[:8] == ("j", 3, 4, 7, "k", 1 << 40, pb.DTYPE_FLOAT16,
+                                                 pb.REDUCE_OP_MEAN)
+    assert message[fields[8]:fields[8] + fields[9]] == b"\x01\x02" * 8
+    assert fields[10:] == (0, "", (1 << 64) - 1, 2, (1 << 63) + 5)
+    view = decode_shard(message).data
+    assert view.obj is message  # still a view into the frame

@@ -47,6 +47,11 @@ class ShardView(NamedTuple):
 
 
 # field number -> (name, kind); kind: "u32" / "u64" / "enum" varints, "str", "bytes".
+try:
+    from reducer_wire import _codec as _c_codec  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the Python parse alone
+    _c_codec = None
+
 _FIELDS = {1: ("job", "str"), 2: ("rank", "u32"), 3: ("world_size", "u32"),
            4: ("round", "u64"), 5: ("key", "str"), 6: ("offset", "u64"),
            7: ("dtype", "enum"), 8: ("op", "enum"), 9: ("data", "bytes"),
@@ -72,9 +77,21 @@ def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
 def decode_shard(message: bytes | memoryview) -> ShardView:
     """Parse a serialized Shard; raise DecodeError when it is not one.
 
-    On the daemon's path for every frame: one-byte varints (every tag, and
-    most values and lengths) are read inline, without a call."""
+    On the daemon's path for every frame: the C parse (reducer_wire._codec)
+    takes the plain case and hands anything unusual back to the Python one
+    below, so both give the same results and errors. In Python, one-byte
+    varints (every tag, most values and lengths) are read inline."""
     buf = memoryview(message).cast("B")
+    if _c_codec is not None:
+        fields = _c_codec.decode_fields(buf)
+        if fields is not None:
+            start = fields[8]
+            data = buf[start:start + fields[9]] if start >= 0 else memoryview(b"")
+            return ShardView(*fields[:8], data, *fields[10:])  # type: ignore[misc,call-arg]
+    return _decode_in_python(buf)
+
+
+def _decode_in_python(buf: memoryview) -> ShardView:
     values: dict[str, object] = {}
     pos, end = 0, len(buf)
     while pos < end:
