@@ -184,6 +184,11 @@ class ReducerClient:
         """Per daemon, what the last stream used: "tcp", "grpc", or None before any."""
         return [link.transport for link in self._links]
 
+    @property
+    def links(self) -> list[DaemonLink]:
+        """The link to each daemon, in the order of the addresses (job_status, ...)."""
+        return list(self._links)
+
     # -- public operations --------------------------------------------------
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,

@@ -43,11 +43,11 @@ from typing import Any
 
 import grpc
 import numpy as np
-from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducer_client.api import Reducer
 from reducer_client.compression import allreduce_async_on_wire
 from reducer_client.errors import ReducerError
+from reducer_client.transport.base import TransportError
 
 __all__ = ["HostsUpdatedInterrupt", "HostWatch", "knock", "join_requested", "join_timeout_s",
            "JOIN_ENV", "JOIN_TIMEOUT_ENV", "JOIN_TIMEOUT_S", "POLL_INTERVAL_S",
@@ -60,7 +60,6 @@ POLL_INTERVAL_S = 1.0  # rank 0 reads the daemons' status at most this often (Ho
 ANSWER_MARGIN_S = 1.0  # a knock this close to its round timeout is left for the next one
 ANSWER_TIMEOUT_S = 5.0  # rank 0's answer completes a knock at once; more means it expired
 KNOCK_PREFIX = "elastic/knock/"
-_STATUS_TIMEOUT_S = 5.0
 _log = logging.getLogger("reducer_client.elastic")
 
 
@@ -143,18 +142,12 @@ def knock(build: Any, timeout_s: float, shim: str) -> tuple[int, int]:
 def _open_knocks(client: Any) -> list[tuple[float, str]]:
     """(seconds left before its round timeout, key) of each knock waiting on the daemons."""
     knocks = []
-    for link in client._links:  # the control channel of each daemon link (gRPC)
-        control = getattr(link, "_control", None)
-        status = getattr(control, "_status", None)
-        if status is None:
-            continue
+    for link in client.links:
         try:
-            reply = status(pb.StatusRequest(job=client.job),
-                           metadata=getattr(control, "_auth_metadata", ()),
-                           timeout=_STATUS_TIMEOUT_S)
-        except grpc.RpcError as exc:
+            reply = link.job_status(client.job)
+        except TransportError as exc:
             _log.warning("elastic: status of %s for joiners failed: %s", link.address,
-                         exc.code())
+                         exc.code)
             continue
         for chunk in reply.stalled:
             if (chunk.job == client.job and chunk.key.startswith(KNOCK_PREFIX)
@@ -191,7 +184,7 @@ class HostWatch:
             return 0
         self._polled_s = now
         inner = getattr(self.reducer, "inner", self.reducer)
-        if not hasattr(inner, "_links"):
+        if not hasattr(inner, "links"):
             return 0  # not a ReducerClient (a LocalGroup): no daemons, no joiners
         knocks = sorted(k for k in _open_knocks(inner) if k[0] > ANSWER_MARGIN_S)
         if not knocks:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from reducer_wire.codec import ShardView
@@ -79,6 +80,12 @@ class Control(ABC):
     @abstractmethod
     def brief_status(self) -> DaemonInfo:
         """The daemon's brief status; TransportError when it cannot be had."""
+
+    def job_status(self, job: str) -> Any:
+        """The daemon's GetStatus reply (reducer.v1.StatusReply) for `job`: its
+        open and stalled chunks; TransportError when it cannot be had."""
+        raise TransportError(grpc.StatusCode.UNIMPLEMENTED,
+                             f"{type(self).__name__} has no job status")
 
     def close(self) -> None:  # noqa: B027 (optional: most hold nothing)
         """Release what it holds (a channel); nothing by default."""

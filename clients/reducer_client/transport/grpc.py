@@ -82,6 +82,13 @@ class GrpcTransport(Transport, Control):
         return DaemonInfo(data_port=reply.data_port,
                           round_timeout_s=reply.round_timeout_s or None)
 
+    def job_status(self, job: str) -> pb.StatusReply:
+        try:
+            return self._status(pb.StatusRequest(job=job), metadata=self._auth_metadata,
+                                timeout=_STATUS_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise TransportError(exc.code(), self._reason(exc) or "GetStatus failed") from None
+
     def open(self, requests: Iterator[memoryview], daemon: DaemonInfo,
              ) -> Iterable[ShardView]:
         # No wait_for_ready: a daemon that is down or refuses the handshake

@@ -135,6 +135,10 @@ class DaemonLink:
         """Streams opened after the first (each resent what was open)."""
         return max(0, self._streams_opened - 1)
 
+    def job_status(self, job: str) -> Any:
+        """The daemon's GetStatus reply for `job` (Control.job_status)."""
+        return self._control.job_status(job)
+
     @property
     def history(self) -> SendHistory:
         """The completed contributions kept for a resend (tests, diagnostics)."""
