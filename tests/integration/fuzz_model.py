@@ -213,51 +213,86 @@ class StreamModel:
             self.code, self.early = code, not self._half_closed
 
 
-def expected_data_plane(payload: bytes) -> StreamModel:
-    """The model of a data connection that sends `payload`, then half-closes."""
-    model = StreamModel(inband=True)
+# What a stream's daemon reads, in order: ("shard", Shard or None: no Shard),
+# ("end", code: a frame it cannot follow), ("half_close",). Both models play them.
+Event = tuple
+
+
+def play(model, events: list[Event]):
+    """Feed `events` to a model (StreamModel, or one with its accept/end/half_close)
+    until the daemon would stop reading; return the model."""
+    for event in events:
+        if event[0] == "shard":
+            if not model.accept(event[1]):
+                break
+        elif event[0] == "end":
+            model.end(event[1])
+            break
+        else:
+            model.half_close()
+    return model
+
+
+def stream_events(messages: list[pb.Shard | None]) -> list[Event]:
+    """A Reduce call's events: every message, then the client's half-close."""
+    return [("shard", m) for m in messages] + [("half_close",)]
+
+
+def data_plane_events(payload: bytes) -> list[Event]:
+    """The events of a data connection that sends `payload`, then half-closes."""
+    events: list[Event] = []
     view = memoryview(payload)
     if bytes(view[:len(MAGIC)]) != MAGIC:
-        model.end(INVALID)  # not a reducer data-plane client
-        return model
+        return [("end", INVALID)]  # not a reducer data-plane client
     view = view[len(MAGIC):]
     first = True
     while True:
         if not len(view):
-            if first:
-                model.end(INVALID)  # the first frame must be HELLO
-            else:
-                model.half_close()
-            return model
+            # The first frame must be HELLO; else the client's half-close.
+            return events + [("end", INVALID) if first else ("half_close",)]
         if len(view) < 5:
-            model.end(INVALID)  # truncated frame header
-            return model
+            return events + [("end", INVALID)]  # truncated frame header
         kind, length = struct.unpack_from("<BI", view)
         limit = MAX_HELLO_BYTES if first else MAX_MESSAGE_BYTES
         if kind not in (HELLO, SHARD, STATUS) or length > limit or len(view) < 5 + length:
-            model.end(INVALID)  # unknown kind, too large, or truncated
-            return model
+            return events + [("end", INVALID)]  # unknown kind, too large, or truncated
         body, view = bytes(view[5:5 + length]), view[5 + length:]
         if first:
             if kind != HELLO:
-                model.end(INVALID)
-                return model
+                return events + [("end", INVALID)]
             first = False
             continue
         if kind != SHARD:
-            model.end(INVALID)  # unexpected frame kind after HELLO
-            return model
-        if not model.accept(parse(body)):
-            return model
+            return events + [("end", INVALID)]  # unexpected frame kind after HELLO
+        events.append(("shard", parse(body)))
 
 
-def mismatches(model: StreamModel, code: grpc.StatusCode, replies: list[bytes],
-               client_race: bool) -> list[str]:
+def expected_data_plane(payload: bytes) -> StreamModel:
+    """The model of a data connection that sends `payload`, then half-closes."""
+    return play(StreamModel(inband=True), data_plane_events(payload))
+
+
+def _chunk_of(shard: pb.Shard) -> tuple[str, str, int, int]:
+    return shard.job, shard.key, shard.round, shard.offset
+
+
+def _by_chunk(replies: list, shard_of) -> dict[tuple, list]:
+    grouped: dict[tuple, list] = {}
+    for reply in replies:
+        grouped.setdefault(_chunk_of(shard_of(reply)), []).append(reply)
+    return grouped
+
+
+def mismatches(model, code: grpc.StatusCode, replies: list[bytes],
+               client_race: bool, per_chunk_prefix: bool = False) -> list[str]:
     """How the daemon's answer differs from the model's ([] if it does not).
 
+    `model`: a StreamModel, or anything with its code, early and replies.
     `client_race`: the call ended with gRPC's own client-side report of a race
     (the daemon ended the call while the client still wrote); allowed only
-    where the model ends the stream early, and then any prefix of the replies.
+    where the model ends the stream early, and then any prefix of the replies
+    (with `per_chunk_prefix`, a prefix of each chunk's: the order across
+    chunks is open, as on summing threads).
     """
     problems = []
     if client_race:
@@ -266,17 +301,20 @@ def mismatches(model: StreamModel, code: grpc.StatusCode, replies: list[bytes],
                             f"with {model.code} after reading everything")
     elif code != model.code:
         problems.append(f"status {code}, expected {model.code}")
-    if client_race:
+    if client_race and per_chunk_prefix:
+        wanted = _by_chunk(model.replies, lambda want: want.shard)
+        got_by_chunk = _by_chunk(replies, pb.Shard.FromString)
+        replies = [raw for got in got_by_chunk.values() for raw in got]
+        expected = [want for chunk, got in got_by_chunk.items()
+                    for want in wanted.get(chunk, [])[:len(got)]]
+    elif client_race:
         expected = model.replies[:len(replies)]
     else:
         # Replies of different chunks may come in any order (contract section 2;
         # with summing threads two rounds of one key finish on two threads);
         # those of one chunk keep theirs. A stable sort by chunk pairs them up.
-        def chunk(shard: pb.Shard) -> tuple[str, int, int]:
-            return shard.key, shard.round, shard.offset
-
-        replies = sorted(replies, key=lambda raw: chunk(pb.Shard.FromString(raw)))
-        expected = sorted(model.replies, key=lambda want: chunk(want.shard))
+        replies = sorted(replies, key=lambda raw: _chunk_of(pb.Shard.FromString(raw)))
+        expected = sorted(model.replies, key=lambda want: _chunk_of(want.shard))
     if len(replies) != len(expected):
         problems.append(f"{len(replies)} replies, expected {len(expected)}")
     for got_bytes, want in zip(replies, expected, strict=False):

@@ -9,8 +9,13 @@ stream must end with the status the contract gives, carrying exactly the
 replies it gives (results rounded once from a float32 sum, in-band failures
 with their code), within the round timeout. Then the daemon must still be up,
 serve a good job exactly, hold no bytes once the fuzz chunks timed out, and
-have logged no fault of its own. REDUCER_FUZZ_EXAMPLES sets the number of
-examples per test (CI runs a bounded number).
+have logged no fault of its own. The data-plane fuzz runs twice: on a daemon
+that sums inline (--threads 1: the inline model, byte for byte) and on one
+whose summing threads take every chunk (--threads 2 --pool-chunk-bytes 0,
+delayed a little), where when a result lands beside the stream's next
+message or its error end is a race the contract leaves open: there the
+answer must be one of those fuzz_pooled allows. REDUCER_FUZZ_EXAMPLES sets
+the number of examples per test (CI runs a bounded number).
 """
 
 import asyncio
@@ -22,7 +27,15 @@ import time
 import grpc
 import numpy as np
 import pytest
-from fuzz_model import StreamModel, expected_data_plane, mismatches, parse
+from fuzz_model import (
+    StreamModel,
+    data_plane_events,
+    mismatches,
+    parse,
+    play,
+    stream_events,
+)
+from fuzz_pooled import pooled_outcomes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from raw_frames import HELLO_OK, frame, split_frames, status_of
@@ -211,13 +224,20 @@ class GoodJob:
 
 
 class Fuzz:
-    """One daemon, its fuzzing loop, the good job beside it, and the cases sent."""
+    """One daemon, its fuzzing loop, the good job beside it, and the cases sent.
 
-    def __init__(self, daemon):
+    pooled: the daemon sums every chunk on summing threads, so each case's
+    answer must be one of those fuzz_pooled allows (the landing of a result
+    is a race); else the inline model's, byte for byte.
+    """
+
+    def __init__(self, daemon, pooled: bool):
         self.daemon = daemon
+        self.pooled = pooled
         self.loop = FuzzLoop(daemon.address)
         self.good = GoodJob(daemon.address)
-        self.cases = []  # (what was sent, model, future of (code, details, replies))
+        # (what was sent, the daemon's events, in-band?, future of (code, details, replies))
+        self.cases = []
         self._ids = itertools.count()
 
     def own_jobs(self, messages):
@@ -231,8 +251,20 @@ class Fuzz:
             out.append(m)
         return out
 
-    def send(self, sent, model, coroutine):
-        self.cases.append((sent, model, self.loop.run(coroutine)))
+    def send(self, sent, events, inband, coroutine):
+        self.cases.append((sent, events, inband, self.loop.run(coroutine)))
+
+    def _problems(self, events, inband, code, replies, race):
+        """[] if the answer is allowed, else how it differs from the inline model's
+        (and, pooled, from each allowed one)."""
+        inline = play(StreamModel(inband), events)
+        if not self.pooled:
+            return mismatches(inline, code, replies, race)
+        allowed = pooled_outcomes(events, inband)
+        found = [mismatches(o, code, replies, race, per_chunk_prefix=True) for o in allowed]
+        if any(f == [] for f in found):
+            return []
+        return [f"none of the {len(allowed)} answers allowed on summing threads: {found}"]
 
     def check(self, grpc_race_allowed, min_results=0):
         """Every case's answer is the model's; then the daemon is whole.
@@ -241,18 +273,19 @@ class Fuzz:
         (so that the sums are checked, not only the refusals)."""
         start = time.monotonic()
         problems, codes = [], set()
-        with_results = sum(any(not r.shard.error_code for r in model.replies)
-                           for _, model, _ in self.cases)
+        with_results = sum(any(not r.shard.error_code for r in play(StreamModel(i), e).replies)
+                           for _, e, i, _ in self.cases)
         assert with_results >= min_results * len(self.cases), (with_results, len(self.cases))
-        for sent, model, future in self.cases:
+        for sent, events, inband, future in self.cases:
             code, details, replies = future.result(timeout=ROUND_TIMEOUT_S + 60)
             race = grpc_race_allowed and _client_race(code, details)
             codes.add(code)
-            found = mismatches(model, code, replies, race)
+            found = self._problems(events, inband, code, replies, race)
             if isinstance(code, str):  # the data connection broke or was garbled
                 found.append(code)
             if found:
-                problems.append(f"{sent!r}\n  answered {code} {details!r}: {found}")
+                got = [pb.Shard.FromString(r) for r in replies]
+                problems.append(f"{sent!r}\n  answered {code} {details!r} {got}: {found}")
         assert problems == [], f"{len(problems)} of {len(self.cases)} cases:\n" + "\n".join(
             problems[:5])
         assert grpc.StatusCode.INVALID_ARGUMENT in codes  # the fuzzing reached the checks
@@ -268,6 +301,8 @@ class Fuzz:
         assert self.daemon.process.poll() is None
         log = self.daemon.log()
         assert "Traceback" not in log and "reducerd fault" not in log, log[-3000:]
+        if self.pooled:  # every chunk went through the summing threads
+            assert "summing on 2 threads (chunks of 0 wire bytes or more" in log, log[-3000:]
 
     def close(self):
         self.good.stop()
@@ -298,15 +333,47 @@ def _reduce_exactly(address):
         assert isinstance(r, np.ndarray) and np.array_equal(r, expected), r
 
 
-@pytest.fixture
-def fuzz(tmp_path):
-    # One summing thread: fuzz_model.py models the inline daemon's answers byte
-    # for byte, order included. With several threads, when a stream's error end
-    # falls between a chunk's last add and its result is a race the contract
-    # leaves open; tests/integration/test_summing_threads.py covers that path.
-    daemon = start_daemon("--round-timeout", str(ROUND_TIMEOUT_S), "--threads", "1",
-                          log_dir=tmp_path)
-    fuzz = Fuzz(daemon)
+# `python -c DELAYED_SUMS reducerd-args...`: a daemon whose summing threads
+# wait 0-2 ms before each copy, add and finish, as a loaded core would: the
+# fuzz's chunks are tiny and would otherwise land before the loop takes the
+# stream's next message, so the race fuzz_pooled models would hardly be run.
+DELAYED_SUMS = """
+import random, sys, threading, time
+from reducerd import chunk_sums
+from reducerd.__main__ import main
+
+
+def delayed(fn):
+    def on_summing_thread_later(*args):
+        if threading.current_thread().name.startswith("reducerd-sum"):
+            time.sleep(random.random() * 0.002)
+        return fn(*args)
+    return on_summing_thread_later
+
+
+acc = chunk_sums.accumulate
+acc.copy_wire_into = delayed(acc.copy_wire_into)
+acc.add_wire_into = delayed(acc.add_wire_into)
+chunk_sums.narrow_result = delayed(chunk_sums.narrow_result)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(params=["inline"])
+def fuzz(request, tmp_path):
+    """A daemon to fuzz. "inline": one summing thread (every sum on the loop
+    thread), answers byte for byte as fuzz_model says, order included.
+    "pooled": two summing threads that take every chunk (--pool-chunk-bytes
+    0), delayed (DELAYED_SUMS), answers within fuzz_pooled's set."""
+    pooled = request.param == "pooled"
+    if pooled:
+        daemon = start_daemon("--round-timeout", str(ROUND_TIMEOUT_S), "--threads", "2",
+                              "--pool-chunk-bytes", "0", log_dir=tmp_path,
+                              entry=("-c", DELAYED_SUMS))
+    else:
+        daemon = start_daemon("--round-timeout", str(ROUND_TIMEOUT_S), "--threads", "1",
+                              log_dir=tmp_path)
+    fuzz = Fuzz(daemon, pooled)
     try:
         yield fuzz
     finally:
@@ -314,13 +381,7 @@ def fuzz(tmp_path):
         daemon.stop()
 
 
-def _model_of(messages, inband):
-    model = StreamModel(inband)
-    for message in messages:
-        if not model.accept(message):
-            return model
-    model.half_close()
-    return model
+BOTH = pytest.mark.parametrize("fuzz", ["inline", "pooled"], indirect=True)
 
 
 def test_fuzz_shards(fuzz):
@@ -329,7 +390,8 @@ def test_fuzz_shards(fuzz):
     def send(messages, inband):
         messages = fuzz.own_jobs(messages)
         payloads = [m.SerializeToString() for m in messages]
-        fuzz.send(messages, _model_of(messages, inband), fuzz.loop.grpc_call(payloads, inband))
+        fuzz.send(messages, stream_events(messages), inband,
+                  fuzz.loop.grpc_call(payloads, inband))
 
     send()
     fuzz.check(grpc_race_allowed=True, min_results=0.1)
@@ -339,25 +401,27 @@ def test_fuzz_raw_bytes(fuzz):
     @settings(max_examples=EXAMPLES // 3, **FUZZ_SETTINGS)
     @given(payloads=st.lists(st.binary(max_size=80), min_size=1, max_size=4))
     def send(payloads):
-        model = _model_of([parse(p) for p in payloads], inband=False)
-        fuzz.send(payloads, model, fuzz.loop.grpc_call(payloads, inband=False))
+        events = stream_events([parse(p) for p in payloads])
+        fuzz.send(payloads, events, False, fuzz.loop.grpc_call(payloads, inband=False))
 
     send()
     fuzz.check(grpc_race_allowed=True)
 
 
+@BOTH
 def test_fuzz_shards_on_the_data_plane(fuzz):
     @settings(max_examples=EXAMPLES, **FUZZ_SETTINGS)
     @given(messages=st.lists(shards, min_size=1, max_size=6) | rounds())
     def send(messages):
         messages = fuzz.own_jobs(messages)
         payload = HELLO_OK + b"".join(frame(SHARD, m.SerializeToString()) for m in messages)
-        fuzz.send(messages, expected_data_plane(payload), fuzz.loop.tcp(payload))
+        fuzz.send(messages, data_plane_events(payload), True, fuzz.loop.tcp(payload))
 
     send()
     fuzz.check(grpc_race_allowed=False, min_results=0.1)
 
 
+@BOTH
 def test_fuzz_raw_bytes_on_the_data_plane(fuzz):
     @settings(max_examples=EXAMPLES // 3, **FUZZ_SETTINGS)
     @given(prefix=st.sampled_from([b"", MAGIC, HELLO_OK]),
@@ -365,7 +429,7 @@ def test_fuzz_raw_bytes_on_the_data_plane(fuzz):
            tail=st.binary(max_size=24))
     def send(prefix, frames, tail):
         payload = prefix + b"".join(frame(kind, data) for kind, data in frames) + tail
-        fuzz.send(payload, expected_data_plane(payload), fuzz.loop.tcp(payload))
+        fuzz.send(payload, data_plane_events(payload), True, fuzz.loop.tcp(payload))
 
     send()
     fuzz.check(grpc_race_allowed=False)
