@@ -16,6 +16,7 @@ the progress bar and the console the result tables go to.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import signal
 import socket
@@ -126,10 +127,38 @@ class BenchSession:
 
 
 def free_port() -> int:
-    """A port the kernel has free on 127.0.0.1 now (for a process that cannot take 0)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a process that cannot take 0 (a Gloo
+    master, a daemon whose address the workers get in advance).
+
+    Taken below the kernel's ephemeral range: a port that bind(0) gives is
+    one that any connect() may take next as its source port (the bench and
+    other tests open hundreds), and a listener started later on it then fails
+    or, worse, a worker reaches another process there. Outside that range
+    only a listener can hold it, and bind() here checks for one."""
+    low, _ = _ephemeral_range()
+    lowest = _LOWEST_PORT if low > _LOWEST_PORT + 1000 else 1024
+    span = max(1, low - lowest)
+    start = random.randrange(span)
+    for step in range(span):
+        port = lowest + (start + step) % span
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise BenchError(f"no free port on 127.0.0.1 between {lowest} and {low}")
+
+
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def start_daemons(procs: ProcessSet, hosts: list[Host], name: str, round_timeout_s: float,
