@@ -384,6 +384,7 @@ def fuzz(request, tmp_path):
 BOTH = pytest.mark.parametrize("fuzz", ["inline", "pooled"], indirect=True)
 
 
+@BOTH
 def test_fuzz_shards(fuzz):
     @settings(max_examples=EXAMPLES, **FUZZ_SETTINGS)
     @given(messages=st.lists(shards, min_size=1, max_size=6) | rounds(), inband=st.booleans())
