@@ -48,7 +48,7 @@ from fuzz_model import (
 from reducer_wire import dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-__all__ = ["Outcome", "PooledModel", "pooled_outcomes", "MAX_STATES"]
+__all__ = ["DELAYED_SUMS", "Outcome", "PooledModel", "pooled_outcomes", "MAX_STATES"]
 
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 # Interleavings walked per stream at most (distinct states; a fuzzed stream
@@ -266,3 +266,29 @@ def pooled_outcomes(events: list[Event], inband: bool) -> list[Outcome]:
 
     walk(PooledModel(inband), 0)
     return list(outcomes.values())
+
+
+# `python -c DELAYED_SUMS reducerd-args...`: a daemon whose summing threads
+# wait 0-2 ms before each copy, add and finish, as a loaded core would: the
+# fuzz's chunks are tiny and would otherwise land before the loop takes the
+# stream's next message, so the race fuzz_pooled models would hardly be run.
+DELAYED_SUMS = """
+import random, sys, threading, time
+from reducerd import chunk_sums
+from reducerd.__main__ import main
+
+
+def delayed(fn):
+    def on_summing_thread_later(*args):
+        if threading.current_thread().name.startswith("reducerd-sum"):
+            time.sleep(random.random() * 0.002)
+        return fn(*args)
+    return on_summing_thread_later
+
+
+acc = chunk_sums.accumulate
+acc.copy_wire_into = delayed(acc.copy_wire_into)
+acc.add_wire_into = delayed(acc.add_wire_into)
+chunk_sums.narrow_result = delayed(chunk_sums.narrow_result)
+sys.exit(main(sys.argv[1:]))
+"""

@@ -35,7 +35,7 @@ from fuzz_model import (
     play,
     stream_events,
 )
-from fuzz_pooled import pooled_outcomes
+from fuzz_pooled import DELAYED_SUMS, pooled_outcomes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from raw_frames import HELLO_OK, frame, split_frames, status_of
@@ -331,32 +331,6 @@ def _reduce_exactly(address):
     expected = (np.arange(100_000) % 300 * 6).astype(np.float32)
     for r in results:
         assert isinstance(r, np.ndarray) and np.array_equal(r, expected), r
-
-
-# `python -c DELAYED_SUMS reducerd-args...`: a daemon whose summing threads
-# wait 0-2 ms before each copy, add and finish, as a loaded core would: the
-# fuzz's chunks are tiny and would otherwise land before the loop takes the
-# stream's next message, so the race fuzz_pooled models would hardly be run.
-DELAYED_SUMS = """
-import random, sys, threading, time
-from reducerd import chunk_sums
-from reducerd.__main__ import main
-
-
-def delayed(fn):
-    def on_summing_thread_later(*args):
-        if threading.current_thread().name.startswith("reducerd-sum"):
-            time.sleep(random.random() * 0.002)
-        return fn(*args)
-    return on_summing_thread_later
-
-
-acc = chunk_sums.accumulate
-acc.copy_wire_into = delayed(acc.copy_wire_into)
-acc.add_wire_into = delayed(acc.add_wire_into)
-chunk_sums.narrow_result = delayed(chunk_sums.narrow_result)
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 @pytest.fixture(params=["inline"])
