@@ -8,9 +8,13 @@ Bounds kept here (reducerd.dataplane has the plane-wide ones):
   payload is read (waiting up to RESERVE_WAIT_S for room, else the connection
   ends with RESOURCE_EXHAUSTED), and given back once the loop took the shard;
   its payload must arrive within the frame timeout of its header;
-- a reader has at most QUEUED_FRAMES shards waiting for the loop, and pauses
-  while UNSENT_FRAMES replies or UNSENT_BYTES wait for its writer (a client
-  that sends but does not read is slowed by TCP, not buffered);
+- before it reads a frame's payload, a reader waits until it has fewer than
+  QUEUED_FRAMES shards waiting for the loop, the plane fewer than
+  BACKLOG_FRAMES (DataPlane.backlog: with hundreds of contributors each
+  connection's own allowance would add up), and fewer than UNSENT_FRAMES
+  replies or UNSENT_BYTES wait for its writer: meanwhile the frame stays in
+  the kernel, and TCP slows the client (a client that sends but does not
+  read is slowed, not buffered);
 - a send that makes no progress for the send timeout ends the connection.
 """
 
@@ -58,6 +62,7 @@ __all__ = ["Connection", "ConnectionLimits", "GONE"]
 log = logging.getLogger("reducerd")
 
 QUEUED_FRAMES = 8
+BACKLOG_FRAMES = 64
 UNSENT_FRAMES = 64
 UNSENT_BYTES = 16 << 20
 RESERVE_WAIT_S = 5.0
@@ -70,10 +75,10 @@ _SKIP_BYTES = 1 << 16
 GONE = object()  # in an outbox: the connection broke, the writer stops without a status
 
 
-class _Credit:
-    """How many of a connection's frames may wait for the loop thread: a
-    semaphore in C (queue.SimpleQueue of tokens), as threading.Semaphore's
-    Python Condition costs several microseconds a frame."""
+class Credit:
+    """How many frames (of a connection, of the plane) may wait for the loop
+    thread: a semaphore in C (queue.SimpleQueue of tokens), as
+    threading.Semaphore's Python Condition costs several microseconds a frame."""
 
     def __init__(self, frames: int) -> None:
         self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -110,7 +115,7 @@ class Connection:
         self.outbox = ThreadOutbox(plane.budget)
         self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox,
                              frames=True)
-        self.credit = _Credit(QUEUED_FRAMES)
+        self.credit = Credit(QUEUED_FRAMES)
         self.reader_done = threading.Event()
         self.writer_done = threading.Event()
         self.registered = False  # a Stream of the session, with a writer thread
@@ -216,10 +221,15 @@ class Connection:
                                self._no_room(length))
                     _drop_input(self.io, _LINGER_S)
                     return
+                if not self._wait_for_room():  # the writer is gone: nothing more is taken
+                    plane.budget.give_transport(length)
+                    self._skip(length)
+                    continue
                 try:
                     payload = self._receive(length)
                 except BaseException:
                     plane.budget.give_transport(length)
+                    self._give_room()
                     raise
             except FrameTimeout as exc:
                 plane.call(self.stream.end, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -232,15 +242,25 @@ class Connection:
                 plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 _drop_input(self.io)
                 return
-            shard = decode_request(payload)
-            # Pause while the loop is behind or the client does not read its replies.
-            while not (self.outbox.wait_below(UNSENT_FRAMES, UNSENT_BYTES, 1.0)
-                       and self.credit.acquire(timeout=1.0)):
-                if self.writer_done.is_set():
-                    plane.budget.give_transport(length)
-                    break
-            else:
-                plane.call(self._accept, shard, length)
+            plane.call(self._accept, decode_request(payload), length)
+
+    def _wait_for_room(self) -> bool:
+        """Wait while the loop is behind (this connection's credit, the plane's
+        backlog) or the client does not read its replies; False once the
+        writer is gone. True: a credit and a backlog slot are taken."""
+        while not (self.outbox.wait_below(UNSENT_FRAMES, UNSENT_BYTES, 1.0)
+                   and self.credit.acquire(timeout=1.0)):
+            if self.writer_done.is_set():
+                return False
+        while not self.plane.backlog.acquire(timeout=1.0):
+            if self.writer_done.is_set():
+                self.credit.release()
+                return False
+        return True
+
+    def _give_room(self) -> None:
+        self.credit.release()
+        self.plane.backlog.release()
 
     def _receive(self, length: int) -> memoryview:
         """A payload, within the frame timeout of its header."""
@@ -287,7 +307,7 @@ class Connection:
             log.exception("data connection %s: shard not taken", self.stream.peer)
             self.stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
         finally:
-            self.credit.release()
+            self._give_room()
             # The table copied what it keeps: the frame's buffer is free.
             self.plane.budget.give_transport(length)
 

@@ -41,7 +41,7 @@ import grpc
 from reducer_wire.framing import shutdown_quietly
 
 from reducerd.access import Access
-from reducerd.dataconn import Connection, ConnectionLimits
+from reducerd.dataconn import BACKLOG_FRAMES, Connection, ConnectionLimits, Credit
 from reducerd.limits import MemoryBudget
 from reducerd.session import Session
 
@@ -85,6 +85,8 @@ class DataPlane:
         self._handshaking: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._connections: set[Connection] = set()
         self._stopped = False
+        # Frames read on all connections and not yet taken by the loop thread.
+        self.backlog = Credit(BACKLOG_FRAMES)
 
     @property
     def handshaking(self) -> int:
