@@ -70,8 +70,10 @@ class BenchSession:
 
     def __enter__(self) -> BenchSession:
         if threading.current_thread() is threading.main_thread():  # signal() needs it
+            # SIGINT too: a shell starts a background job with SIGINT ignored, and
+            # Python then leaves it ignored instead of raising KeyboardInterrupt.
             self._previous_handlers = {sig: signal.signal(sig, _interrupt)
-                                       for sig in _STOP_SIGNALS[1:]}
+                                       for sig in _STOP_SIGNALS}
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
