@@ -75,6 +75,21 @@ def narrow(values: np.ndarray, dtype: int) -> bytes:
     return values.astype("<f4").tobytes()
 
 
+def cache_result(results: dict[tuple, tuple], latest: dict[tuple, int], cid: tuple,
+                 value: tuple) -> None:
+    """Cache a chunk's result as the daemon does (ReductionTable._cache_result):
+    one result per (job, key, offset), the latest round's; a newer round's
+    result drops the older one, so a later resend to that older round opens
+    it anew. (The cache's byte limit and expiry are not reached here.)"""
+    job, key, round_, offset = cid
+    slot = (job, key, offset)
+    previous = latest.get(slot)
+    if previous is not None and previous < round_:
+        results.pop((job, key, previous, offset), None)
+    results[cid] = value
+    latest[slot] = round_
+
+
 @dataclass
 class Expected:
     """One reply the daemon must send: a result (data to compare) or an in-band failure."""
@@ -102,6 +117,7 @@ class StreamModel:
         self.early = False  # ended before the client's half-close was read
         self._open: dict[tuple, _Chunk] = {}
         self._results: dict[tuple, tuple[pb.Shard, int, bytes | None]] = {}  # first, numel, data
+        self._latest: dict[tuple, int] = {}  # (job, key, offset) -> round of its cached result
         self._failed: dict[tuple, grpc.StatusCode] = {}
         self._waiting: set[tuple] = set()
         self._half_closed = False
@@ -176,7 +192,7 @@ class StreamModel:
                 with np.errstate(all="ignore"):
                     acc = (acc / np.float32(f.world_size)).astype(np.float32)
             data = narrow(acc, f.dtype)
-        self._results[cid] = (f, chunk.numel, data)
+        cache_result(self._results, self._latest, cid, (f, chunk.numel, data))
         self._deliver_result(cid, f, chunk.numel, data)
 
     def _deliver_result(self, cid: tuple, first: pb.Shard, numel: int,

@@ -40,6 +40,7 @@ from fuzz_model import (
     INVALID,
     Event,
     Expected,
+    cache_result,
     invalid_on_its_own,
     narrow,
     numel_of,
@@ -89,6 +90,7 @@ class PooledModel:
         self.half_closed = False
         self.open: dict[tuple, _Chunk] = {}  # in the order they opened, as the daemon expires
         self.results: dict[tuple, tuple[pb.Shard, int, bytes | None]] = {}
+        self.latest: dict[tuple, int] = {}  # (job, key, offset) -> round of its cached result
         self.failed: dict[tuple, grpc.StatusCode] = {}
         self.waiting: set[tuple] = set()
 
@@ -133,7 +135,7 @@ class PooledModel:
                 with np.errstate(all="ignore"):
                     acc = (acc / np.float32(f.world_size)).astype(np.float32)
             data = narrow(acc, f.dtype)
-        self.results[cid] = (f, chunk.numel, data)
+        cache_result(self.results, self.latest, cid, (f, chunk.numel, data))
         batch = [self._result(cid, f, chunk.numel, data)]
         for shard, disagrees in chunk.resends:
             batch.append(self._error(cid, shard, INVALID) if disagrees
@@ -230,7 +232,8 @@ class PooledModel:
                         None if c.acc is None else c.acc.tobytes())
                        for cid, c in self.open.items())
         return (self.code, self.early, self.ended, self.held, self.half_closed, per_chunk,
-                chunks, tuple(sorted(self.results)), tuple(sorted(self.failed.items())),
+                chunks, tuple(sorted(self.results)), tuple(sorted(self.latest.items())),
+                tuple(sorted(self.failed.items())),
                 tuple(sorted(self.waiting)))
 
 
