@@ -77,6 +77,15 @@ class ErrorFeedback:
             return None
         return cls.for_reducer(reducer)
 
+    @classmethod
+    def choose(cls, reducer: Any, enabled: bool | None) -> ErrorFeedback | None:
+        """What a shim's set_error_feedback(enabled) means for `reducer`, in one
+        place: None (never set) the default, True on (for_reducer: the node's
+        slice senders keep the residue under node-local aggregation), False off."""
+        if enabled is None:
+            return cls.default_for(reducer)
+        return cls.for_reducer(reducer) if enabled else None
+
     def apply(self, key: str, values: np.ndarray) -> None:
         """Add the key's residual to `values` (1-D, float16/32/64, in place) and
         keep what rounding the result to the wire drops, for the next call."""

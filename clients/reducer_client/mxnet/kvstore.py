@@ -57,13 +57,13 @@ def set_error_feedback(enabled: bool, reducer: ReducerBackend | None = None) -> 
     (None: the process-wide client), as reducer_client.torch.set_error_feedback."""
     backend = basics.resolve(reducer)
     with _feedbacks_lock:
-        _feedbacks[backend] = ErrorFeedback.for_reducer(backend) if enabled else None
+        _feedbacks[backend] = ErrorFeedback.choose(backend, enabled)
 
 
 def _feedback_for(backend: ReducerBackend) -> ErrorFeedback | None:
     with _feedbacks_lock:
         if backend not in _feedbacks:
-            _feedbacks[backend] = ErrorFeedback.default_for(backend)
+            _feedbacks[backend] = ErrorFeedback.choose(backend, None)
         return _feedbacks[backend]
 
 

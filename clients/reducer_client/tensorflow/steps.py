@@ -159,11 +159,7 @@ class GradientSteps:
             setting = _feedback_setting.get(base)
         with self._state_lock:
             if entry.feedback_setting != setting:
-                # for_reducer: under node-local aggregation the node's slice
-                # senders keep the residue (a NodeFeedback), as by default.
-                entry.feedback = (ErrorFeedback.default_for(entry.steps) if setting is None
-                                  else ErrorFeedback.for_reducer(entry.steps) if setting
-                                  else None)
+                entry.feedback = ErrorFeedback.choose(entry.steps, setting)
                 entry.feedback_setting = setting
             return entry.feedback
 

@@ -121,14 +121,14 @@ class Staging:
         that never went on the wire.
         """
         with self._lock:
-            self._feedback = ErrorFeedback.for_reducer(reducer) if enabled else None
+            self._feedback = ErrorFeedback.choose(reducer, enabled)
             self._feedback_chosen = True
 
     def _compensate(self, reducer: Reducer, key: str, values: np.ndarray) -> None:
         """Add what the wire dropped from this key's last contribution (if feedback is on)."""
         with self._lock:
             if not self._feedback_chosen:
-                self._feedback = ErrorFeedback.default_for(reducer)
+                self._feedback = ErrorFeedback.choose(reducer, None)
                 self._feedback_chosen = True
             feedback = self._feedback
         if feedback is not None:
