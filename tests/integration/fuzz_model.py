@@ -75,6 +75,30 @@ def narrow(values: np.ndarray, dtype: int) -> bytes:
     return values.astype("<f4").tobytes()
 
 
+def chunk_result(first: pb.Shard, acc: np.ndarray | None) -> bytes | None:
+    """A complete chunk's result bytes: MEAN divided in float32, rounded once
+    (None: a dtype whose sums we do not model)."""
+    if acc is None:
+        return None
+    if first.op == pb.REDUCE_OP_MEAN:
+        with np.errstate(all="ignore"):
+            acc = (acc / np.float32(first.world_size)).astype(np.float32)
+    return narrow(acc, first.dtype)
+
+
+def result_reply(cid: tuple, first: pb.Shard, numel: int, data: bytes | None) -> Expected:
+    job, key, round_, offset = cid
+    reply = pb.Shard(job=job, key=key, round=round_, offset=offset, dtype=first.dtype,
+                     op=first.op, world_size=first.world_size)
+    return Expected(reply, data, dtypes.wire_nbytes(first.dtype, numel))
+
+
+def error_reply(cid: tuple, ref: pb.Shard, code: grpc.StatusCode) -> Expected:
+    job, key, round_, offset = cid
+    return Expected(pb.Shard(job=job, key=key, round=round_, offset=offset, dtype=ref.dtype,
+                             op=ref.op, world_size=ref.world_size, error_code=code.value[0]))
+
+
 def cache_result(results: dict[tuple, tuple], latest: dict[tuple, int], cid: tuple,
                  value: tuple) -> None:
     """Cache a chunk's result as the daemon does (ReductionTable._cache_result):
@@ -185,32 +209,19 @@ class StreamModel:
 
     def _complete(self, cid: tuple, chunk: _Chunk) -> None:
         del self._open[cid]
-        f, data = chunk.first, None
-        if chunk.acc is not None:
-            acc = chunk.acc
-            if f.op == pb.REDUCE_OP_MEAN:
-                with np.errstate(all="ignore"):
-                    acc = (acc / np.float32(f.world_size)).astype(np.float32)
-            data = narrow(acc, f.dtype)
+        f, data = chunk.first, chunk_result(chunk.first, chunk.acc)
         cache_result(self._results, self._latest, cid, (f, chunk.numel, data))
         self._deliver_result(cid, f, chunk.numel, data)
 
     def _deliver_result(self, cid: tuple, first: pb.Shard, numel: int,
                         data: bytes | None) -> None:
-        job, key, round_, offset = cid
-        reply = pb.Shard(job=job, key=key, round=round_, offset=offset, dtype=first.dtype,
-                         op=first.op, world_size=first.world_size)
-        nbytes = dtypes.wire_nbytes(first.dtype, numel)
-        self._deliver(cid, Expected(reply, data, nbytes))
+        self._deliver(cid, result_reply(cid, first, numel, data))
 
     def _deliver_error(self, cid: tuple, ref: pb.Shard, code: grpc.StatusCode) -> None:
         if not self.inband:
             self._waiting.discard(cid)
             return self._end(code)
-        job, key, round_, offset = cid
-        reply = pb.Shard(job=job, key=key, round=round_, offset=offset, dtype=ref.dtype,
-                         op=ref.op, world_size=ref.world_size, error_code=code.value[0])
-        self._deliver(cid, Expected(reply))
+        self._deliver(cid, error_reply(cid, ref, code))
         return None
 
     def _deliver(self, cid: tuple, reply: Expected) -> None:

@@ -41,9 +41,11 @@ from fuzz_model import (
     Event,
     Expected,
     cache_result,
+    chunk_result,
+    error_reply,
     invalid_on_its_own,
-    narrow,
     numel_of,
+    result_reply,
     widen,
 )
 from reducer_wire import dtypes
@@ -128,13 +130,7 @@ class PooledModel:
     def land(self, cid: tuple) -> None:
         """The chunk's result arrives: the result, then each resend's answer."""
         chunk = self.open.pop(cid)
-        f, data = chunk.first, None
-        if chunk.acc is not None:
-            acc = chunk.acc
-            if f.op == pb.REDUCE_OP_MEAN:
-                with np.errstate(all="ignore"):
-                    acc = (acc / np.float32(f.world_size)).astype(np.float32)
-            data = narrow(acc, f.dtype)
+        f, data = chunk.first, chunk_result(chunk.first, chunk.acc)
         cache_result(self.results, self.latest, cid, (f, chunk.numel, data))
         batch = [self._result(cid, f, chunk.numel, data)]
         for shard, disagrees in chunk.resends:
@@ -188,17 +184,11 @@ class PooledModel:
 
     @staticmethod
     def _result(cid: tuple, first: pb.Shard, numel: int, data: bytes | None) -> tuple:
-        job, key, round_, offset = cid
-        reply = pb.Shard(job=job, key=key, round=round_, offset=offset, dtype=first.dtype,
-                         op=first.op, world_size=first.world_size)
-        return cid, None, Expected(reply, data, dtypes.wire_nbytes(first.dtype, numel))
+        return cid, None, result_reply(cid, first, numel, data)
 
     @staticmethod
     def _error(cid: tuple, ref: pb.Shard, code: grpc.StatusCode) -> tuple:
-        job, key, round_, offset = cid
-        reply = pb.Shard(job=job, key=key, round=round_, offset=offset, dtype=ref.dtype,
-                         op=ref.op, world_size=ref.world_size, error_code=code.value[0])
-        return cid, code, Expected(reply)
+        return cid, code, error_reply(cid, ref, code)
 
     # -- the session (reducerd.session: deliver, then end what waits for nothing) --
 
