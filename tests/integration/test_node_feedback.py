@@ -28,21 +28,10 @@ import os
 import uuid
 
 import numpy as np
+from node_feedback_case import NUMEL, STEPS, check_sums, gradient
 from reducer_client import ReducerClient
 from reducer_client.feedback import ErrorFeedback, NodeFeedback
 from support import run_workers
-
-NUMEL = 1 << 17  # 2 slices of the node's sum (MIN_SLICE_BYTES of int8 each)
-BLOCK = 128
-STEPS = 40
-EPS24 = 2.0 ** -24
-
-
-def _gradient(rank: int, step: int) -> np.ndarray:
-    rng = np.random.default_rng(1000 * rank + step)
-    values = rng.uniform(0.5e-3, 1.5e-3, NUMEL).astype(np.float32)
-    values[::BLOCK] = np.where(rng.random(NUMEL // BLOCK) < 0.5, -1.0, 1.0)
-    return values
 
 
 def feedback_worker(rank: int, world_size: int, addresses: list[str], job: str) -> dict:
@@ -54,7 +43,7 @@ def feedback_worker(rank: int, world_size: int, addresses: list[str], job: str) 
         assert isinstance(feedback, NodeFeedback), feedback
         for step in range(STEPS):
             for mode, total in sums.items():
-                values = _gradient(rank, step)
+                values = gradient(rank, step)
                 if mode == "on":
                     before = values.copy()
                     feedback.apply(f"grad/{mode}", values)
@@ -70,15 +59,4 @@ def test_node_sends_its_residue_on(daemons):
         results = run_workers(feedback_worker, world, (d.addresses, f"nodefb-{os.getpid()}-"
                                                                     f"{uuid.uuid4().hex[:8]}"),
                               timeout=240)
-    truth = sum(_gradient(r, s).astype(np.float64) for r in range(world)
-                for s in range(STEPS))
-    amax = 2.0 + 2.0 / 254 * 1.01  # node sum's outlier plus at most one residual
-    e_in = amax / 254 * (1 + 2.0 ** -14) + 2.0 ** -142
-    bound = e_in + STEPS * 3 * EPS24 * amax
-    for rank, sums in enumerate(results):
-        on_error = np.abs(sums["on"] - truth).max()
-        off_error = np.abs(sums["off"] - truth).max()
-        assert on_error <= bound, (rank, on_error, bound)
-        assert off_error > 5 * bound, (rank, off_error, bound)  # what feedback carried
-        # every rank got the same results (one node, one answer)
-        np.testing.assert_array_equal(sums["on"], results[0]["on"])
+    check_sums(results, world)

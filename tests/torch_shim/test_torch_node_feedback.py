@@ -28,21 +28,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from node_feedback_case import NUMEL, STEPS, check_sums, gradient  # noqa: E402
 from support import run_workers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-NUMEL = 1 << 17  # 2 slices of the node's sum (MIN_SLICE_BYTES of int8 each)
-BLOCK = 128
-STEPS = 40
-EPS24 = 2.0 ** -24
 
-
-def _gradient(rank: int, step: int) -> np.ndarray:
-    rng = np.random.default_rng(1000 * rank + step)
-    values = rng.uniform(0.5e-3, 1.5e-3, NUMEL).astype(np.float32)
-    values[::BLOCK] = np.where(rng.random(NUMEL // BLOCK) < 0.5, -1.0, 1.0)
-    return values
 
 
 def staging_worker(rank: int, world_size: int, addresses: list[str], job: str) -> dict:
@@ -60,7 +51,7 @@ def staging_worker(rank: int, world_size: int, addresses: list[str], job: str) -
             rt.set_error_feedback(enabled, client)
             staging = staging_for(client)
             for step in range(STEPS):
-                flat = torch.from_numpy(_gradient(rank, step))
+                flat = torch.from_numpy(gradient(rank, step))
                 total += staging.start(client, flat, "bucket/0", "sum").result(60)
         sums["on" if enabled else "off"] = total
     return sums
@@ -71,16 +62,4 @@ def test_explicit_feedback_on_a_node_keeps_the_nodes_residue(daemons):
     with daemons(2) as d:
         job = f"torchnodefb-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         results = run_workers(staging_worker, world, (d.addresses, job), timeout=240)
-    truth = sum(_gradient(r, s).astype(np.float64) for r in range(world)
-                for s in range(STEPS))
-    amax = 2.0 + 2.0 / 254 * 1.01  # node sum's outlier plus at most one residual
-    e_in = amax / 254 * (1 + 2.0 ** -14) + 2.0 ** -142
-    bound = e_in + STEPS * 3 * EPS24 * amax
-    for rank, sums in enumerate(results):
-        on_error = np.abs(sums["on"] - truth).max()
-        off_error = np.abs(sums["off"] - truth).max()
-        print(f"rank {rank}: error of the sum over {STEPS} steps: feedback on "
-              f"{on_error:.3g}, off {off_error:.3g}, bound {bound:.3g}")
-        assert on_error <= bound, (rank, on_error, bound)
-        assert off_error > 5 * bound, (rank, off_error, bound)
-        np.testing.assert_array_equal(sums["on"], results[0]["on"])  # one node, one answer
+    check_sums(results, world)
