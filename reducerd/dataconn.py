@@ -243,6 +243,9 @@ class Connection:
                 _drop_input(self.io)
                 return
             plane.call(self._accept, decode_request(payload), length)
+            # Not kept while waiting for the next header: with hundreds of
+            # connections, each one's last frame would add up.
+            del payload
 
     def _wait_for_room(self) -> bool:
         """Wait while the loop is behind (this connection's credit, the plane's
@@ -325,9 +328,9 @@ class Connection:
                 if isinstance(item, tuple):
                     self.io.sendall(status_frame(*item))
                     break
-                reply: Reply = item
-                self.io.sendall(reply.frame)  # frame header and message: one buffer
+                self.io.sendall(item.frame)  # frame header and message: one buffer
                 self.outbox.sent(item)
+                del item  # a sent reply is not kept while waiting for the next one
         except OSError as exc:  # broken, or no progress for the send timeout
             log.debug("data connection %s broke while sending: %r", self.stream.peer, exc)
         finally:

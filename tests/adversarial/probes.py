@@ -86,10 +86,12 @@ def data_port(address: str, token: str | None = None) -> int:
 
 
 def data_socket(address: str, token: str | None = None, hello: bool = True,
-                timeout: float = 10.0) -> socket.socket:
-    """A raw data-plane connection, its handshake sent (or not)."""
+                timeout: float = 10.0, port: int | None = None) -> socket.socket:
+    """A raw data-plane connection, its handshake sent (or not); `port`: the
+    daemon's data port where known (else asked for)."""
     host = address.rpartition(":")[0]
-    sock = socket.create_connection((host, data_port(address, token)), timeout=timeout)
+    port = data_port(address, token) if port is None else port
+    sock = socket.create_connection((host, port), timeout=timeout)
     if hello:
         raw = (token or "").encode()
         sock.sendall(MAGIC + frame_header(HELLO, len(raw)) + raw)

@@ -22,6 +22,7 @@ from probes import (
     LONG,
     MiB,
     assert_alive,
+    data_port,
     data_socket,
     get_status,
     good_job,
@@ -166,3 +167,42 @@ def test_a_grpc_client_that_never_reads_is_slowed_not_buffered(tmp_path):
         if channel is not None:
             channel.close()
         daemon.stop()
+
+
+def test_connections_waiting_for_their_next_frame_keep_none_of_the_last(tmp_path):
+    """Each connection's reader used to keep its last frame's payload while it
+    waited for the next header: 256 idle contributors held 256 frames (issue
+    19, peak RSS 37x what the open chunks need). Here 48 connections each send
+    one 2 MiB contribution to a chunk of world size 49, one after the other,
+    and wait: the daemon holds the chunk's accumulator, and the payloads it
+    freed are reused, not kept (was +96 MiB). A 49th completes the chunk."""
+    connections, nbytes = 48, 2 * MiB
+    daemon = limited_daemon("--round-timeout", "30", log_dir=tmp_path)
+    socks = []
+    try:
+        port = data_port(daemon.address)
+        for _ in range(connections + 1):  # opened first: their threads count in `before`
+            socks.append(data_socket(daemon.address, port=port))
+        before = rss_bytes(daemon)
+        for rank, sock in enumerate(socks):
+            message = shard("idle", rank, connections + 1,
+                            np.full(nbytes // 4, rank, np.float32)).SerializeToString()
+            sock.sendall(frame_header(SHARD, len(message)) + message)
+            assert _wait(lambda: _job(daemon, "idle").bytes_in >= (rank + 1) * nbytes,
+                         10, 0.02), rank
+            if rank == connections - 1:  # every connection but the last has sent
+                grown = rss_bytes(daemon) - before
+                assert get_status(daemon.address).bytes_held == nbytes  # the accumulator
+                assert grown < 24 * MiB, f"RSS +{grown / MiB:.0f} MiB for {rank + 1} connections"
+        assert _wait(lambda: _job(daemon, "idle").chunks_completed == 1, 10, 0.02)
+        good_job([daemon.address])
+        assert_alive(daemon)
+    finally:
+        for s in socks:
+            s.close()
+        daemon.stop()
+
+
+def _job(daemon, name: str) -> pb.JobStatus:
+    jobs = [j for j in get_status(daemon.address).jobs if j.job == name]
+    return jobs[0] if jobs else pb.JobStatus()
