@@ -62,7 +62,7 @@ __all__ = ["Connection", "ConnectionLimits", "GONE"]
 log = logging.getLogger("reducerd")
 
 QUEUED_FRAMES = 8
-BACKLOG_FRAMES = 64
+BACKLOG_FRAMES = 16
 UNSENT_FRAMES = 64
 UNSENT_BYTES = 16 << 20
 RESERVE_WAIT_S = 5.0

@@ -8,6 +8,7 @@ the daemon hosts, MXNet's scheduler beside server 0.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,12 +74,17 @@ def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extr
 
 def _start_workers(system: str, python: str, config: BenchConfig, placement: Placement,
                    procs: ProcessSet, env_of, **extra) -> list[Proc]:
+    # One OpenMP thread per worker, every system alike (as the training bench
+    # does): the cores are for the network path, and an OpenMP pool that spins
+    # after the untimed refill (libgomp's default wait policy) would take one
+    # from the timed region. A value the user set is kept.
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     workers = []
     for rank, host in enumerate(placement.workers):
         spec = _worker_spec(system, rank, config, host, **extra)
         argv = host.command([python, "-m", "reducerd.bench.worker", spec])
-        workers.append(procs.start(f"{system}-worker{rank}", argv, env_of(rank, host),
-                                   rank=rank))
+        workers.append(procs.start(f"{system}-worker{rank}", argv,
+                                   {**threads, **env_of(rank, host)}, rank=rank))
     return workers
 
 
