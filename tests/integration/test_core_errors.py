@@ -62,13 +62,14 @@ def test_silent_rank_gives_deadline_exceeded_naming_it(daemons):
 
 def test_workers_that_disagree_on_the_daemon_list_fail_fast(daemons):
     """Rank 1 lists the two daemons in the other order: both ranks get
-    INVALID_ARGUMENT saying so, long before the 20 s round timeout."""
-    with daemons(2, round_timeout=20) as d:
+    INVALID_ARGUMENT saying so, long before the 6 s round timeout (which
+    the daemons' drain at the end then waits for, for the chunks left open)."""
+    with daemons(2, round_timeout=6) as d:
         results = run_workers(disagreeing_list_worker, 2, (d.addresses,))
     for result in results:
         code, message = result["error"]
         assert code == "INVALID_ARGUMENT" and "disagree on the chunk layout" in message
-        assert result["elapsed"] < 10
+        assert result["elapsed"] < 3
 
 
 def test_retried_contribution_is_not_counted_twice(daemon):

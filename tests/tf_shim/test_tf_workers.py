@@ -173,7 +173,7 @@ def _assert_close(actual, expected, atol, what):
         np.testing.assert_allclose(a, e, rtol=0, atol=atol, err_msg=f"{what}, weight {i}")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [4])  # 2 ranks ran the same paths, 8 s more
 def test_training_matches_single_process(daemons, world_size):
     """fit + broadcast callback, Embedding model, custom tape loop vs. one process."""
     with daemons(2, round_timeout=60) as d:
