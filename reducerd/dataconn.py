@@ -1,59 +1,99 @@
-"""One data-plane connection: a state machine run by its I/O thread (reducerd.dataio).
+"""One data-plane connection: its reader thread (handshake, then frames) and writer thread.
 
-Reading: the handshake (reducerd.datahello), then frames (reducerd.dataframes);
-writing (here): the replies the loop thread puts into its outbox, then the
-last status. Nothing blocks: a read or send that would wait returns, and
-readiness, a timer or a task posted by another thread resumes it.
-
-Bounds kept here and in its reading steps (reducerd.dataplane has the
-plane-wide ones):
-- the handshake ends within the handshake timeout of the accept (a timer),
-  however slowly its bytes come;
+Bounds kept here (reducerd.dataplane has the plane-wide ones):
+- the handshake (TLS, preface, HELLO) ends within the handshake timeout of the
+  accept: a deadline, checked at every receive (the socket gets a receive tick
+  meanwhile), not a timeout per read that a trickle could renew;
 - a frame's declared length is reserved from the MemoryBudget before its
-  payload is read (looked for again as room comes back, for up to
-  RESERVE_WAIT_S, else RESOURCE_EXHAUSTED), and given back once the loop took
-  the shard; its payload must arrive within the frame timeout;
-- a connection reads a frame's payload only once it has fewer than
+  payload is read (waiting up to RESERVE_WAIT_S for room, else the connection
+  ends with RESOURCE_EXHAUSTED), and given back once the loop took the shard;
+  its payload must arrive within the frame timeout of its header;
+- before it reads a frame's payload, a reader waits until it has fewer than
   QUEUED_FRAMES shards waiting for the loop, the plane fewer than
-  BACKLOG_FRAMES (reducerd.dataroom.Room), and fewer than UNSENT_FRAMES
-  replies or UNSENT_BYTES wait to be sent: meanwhile it reads nothing, the
-  frame stays in the kernel, and TCP slows the client;
+  BACKLOG_FRAMES (DataPlane.backlog: with hundreds of contributors each
+  connection's own allowance would add up), and fewer than UNSENT_FRAMES
+  replies or UNSENT_BYTES wait for its writer: meanwhile the frame stays in
+  the kernel, and TCP slows the client (a client that sends but does not
+  read is slowed, not buffered);
 - a send that makes no progress for the send timeout ends the connection.
 """
 
 from __future__ import annotations
 
 import logging
-import selectors
+import queue
 import socket
+import ssl
+import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from reducer_wire.codec import DecodeError, ShardView
-from reducer_wire.framing import shutdown_quietly, status_frame, tune_socket
+from reducer_wire.framing import (
+    HELLO,
+    MAGIC,
+    MAX_HELLO_BYTES,
+    SHARD,
+    FrameError,
+    FrameTimeout,
+    read_frame,
+    read_header,
+    read_payload,
+    recv_exactly,
+    set_receive_tick,
+    shutdown_quietly,
+    status_frame,
+    tune_socket,
+)
+from reducer_wire.tls import TlsChannel
 
-from reducerd.dataframes import DONE, LINGER_S, READING, ROOM, FrameReader
-from reducerd.dataroom import WakingOutbox
-from reducerd.datawire import TLS_PIECE_BYTES, Wire
-from reducerd.session import END, DecodeFault, Stream, daemon_fault_message
+from reducerd.outbox import ThreadOutbox
+from reducerd.replies import Reply
+from reducerd.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
 
 if TYPE_CHECKING:
-    from reducerd.dataio import IoThread
     from reducerd.dataplane import DataPlane
 
 __all__ = ["Connection", "ConnectionLimits", "GONE"]
 
 log = logging.getLogger("reducerd")
 
-# Bytes of replies one connection sends before the thread serves the others.
-_PUMP_SEND_BYTES = 1 << 20
+QUEUED_FRAMES = 8
+BACKLOG_FRAMES = 16
+UNSENT_FRAMES = 64
+UNSENT_BYTES = 16 << 20
+RESERVE_WAIT_S = 5.0
+# While a deadline runs, a silent socket hands control back this often.
+_RECEIVE_TICK_S = 0.25
+# After the daemon's last frame, how long the client gets to close its side
+# (closing with unread input would reset the connection and lose that frame).
+_LINGER_S = 5.0
+_SKIP_BYTES = 1 << 16
 GONE = object()  # in an outbox: the connection broke, the writer stops without a status
 
-# What the writer does: flush the handshake's records, send replies, send a
-# refusal (then linger), or nothing more (its side is shut).
-W_HANDSHAKE, W_RUN, W_REFUSE, W_DONE = range(4)
+
+class Credit:
+    """How many frames (of a connection, of the plane) may wait for the loop
+    thread: a semaphore in C (queue.SimpleQueue of tokens), as
+    threading.Semaphore's Python Condition costs several microseconds a frame."""
+
+    def __init__(self, frames: int) -> None:
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(frames):
+            self._tokens.put(None)
+
+    def acquire(self, timeout: float) -> bool:
+        try:
+            self._tokens.get(timeout=timeout)
+            return True
+        except queue.Empty:
+            return False
+
+    def release(self) -> None:
+        self._tokens.put(None)
 
 
 @dataclass(frozen=True)
@@ -64,329 +104,262 @@ class ConnectionLimits:
     frame_timeout_s: float
 
 
-class Connection(FrameReader):
-    """A data-plane connection; only its I/O thread `io` runs its methods,
-    apart from _wake_writer and wake_for_room (any thread) and _accept (loop)."""
+class Connection:
+    """A data-plane connection; serve() is its reader thread."""
 
-    def __init__(self, plane: DataPlane, sock: socket.socket, peer: str, io: IoThread) -> None:
+    def __init__(self, plane: DataPlane, sock: socket.socket, peer: str) -> None:
         self.plane = plane
         self.sock = sock
-        self.io = io
-        self.counted = True  # in io.load until io.remove
-        self.wire = Wire(sock)
+        self.io: Any = sock  # the socket, or its TlsChannel
         self.accepted_s = time.monotonic()
-        self.outbox = WakingOutbox(plane.budget, self._wake_writer)
+        self.outbox = ThreadOutbox(plane.budget)
         self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox,
                              frames=True)
-        self.registered = False  # a Stream of the session (admitted)
-        self.closed = False
-        self.timer_at: float | None = None  # the I/O thread's next call of on_timer
-        self.queued = 0  # Room's (under its lock): frames the loop has yet to take
-        self.credit_wanted = False
-        self._mask = 0  # what the socket is selected for
-        self._read_again = False  # the writer made room the reader waits for
-        self._writer = W_HANDSHAKE
-        # Read by the loop thread: True while the writer found its outbox empty,
-        # so that a put must wake it (else it takes the next item by itself).
-        self._write_idle = False
-        self._item: Any = None  # being sent
-        self._plain: memoryview | None = None  # under TLS: its bytes yet to encrypt
-        self._last = False
-        self._blocked_since: float | None = None  # a send would block since
-        self._linger_at: float | None = None
-        self._lingered = False
-        super().__init__()
+        self.credit = Credit(QUEUED_FRAMES)
+        self.reader_done = threading.Event()
+        self.writer_done = threading.Event()
+        self.registered = False  # a Stream of the session, with a writer thread
 
-    @property
-    def peer(self) -> str:
-        return self.stream.peer
+    def serve(self) -> None:
+        plane, limits = self.plane, self.plane.limits
+        try:
+            tune_socket(self.sock)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 _timeval(limits.send_timeout_s))
+            refusal = self._handshake(self.accepted_s + limits.handshake_timeout_s)
+            if refusal is None:
+                refusal = plane.admit(self)
+            if refusal is not None:
+                plane.forget(self)
+                if refusal[0] is not None:
+                    self.refuse(*refusal)
+                else:
+                    self.sock.close()
+                return
+            plane.call(plane.session.open_stream, self.stream)
+            threading.Thread(target=self._write, daemon=True,
+                             name=f"reducerd-data-write-{self.stream.peer}").start()
+            self._read_shards()
+        except OSError as exc:
+            log.debug("data connection %s broke: %r", self.stream.peer, exc)
+            if self.registered:
+                self.outbox.put_nowait(GONE)
+            else:
+                plane.forget(self)
+                self.sock.close()
+        except Exception as exc:  # e.g. MemoryError: our fault; end the stream and say so
+            log.exception("data connection %s: reader failed", self.stream.peer)
+            if self.registered:
+                plane.call(self.stream.end, grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
+                _drop_input(self.io)
+            else:
+                plane.forget(self)
+                self.sock.close()
+        finally:
+            self.reader_done.set()
 
-    # -- from other threads ---------------------------------------------------
+    def _handshake(self, deadline_s: float) -> tuple[Any, str] | None:
+        """TLS, the preface and HELLO, all by `deadline_s`; why the client is
+        refused ((None, why) to close without a word), or None. The HELLO's
+        token binds the connection to its job (a job token)."""
+        plane = self.plane
+        preface = bytearray(len(MAGIC))
+        set_receive_tick(self.sock, _RECEIVE_TICK_S)
+        try:
+            if plane.tls_context is not None:
+                channel = TlsChannel(self.sock, plane.tls_context, server_side=True)
+                channel.handshake(deadline_s)
+                self.io = channel
+            if not recv_exactly(self.io, memoryview(preface), deadline_s) or preface != MAGIC:
+                return (grpc.StatusCode.INVALID_ARGUMENT,
+                        f"not a reducer data-plane client: expected the preface {MAGIC!r}")
+            frame = read_frame(self.io, MAX_HELLO_BYTES, deadline_s)
+        except (FrameTimeout, TimeoutError):  # closed without a word: no linger for it
+            log.info("data plane: %s did not end its handshake within %g s", self.stream.peer,
+                     plane.limits.handshake_timeout_s)
+            return None, "handshake timeout"
+        except ssl.SSLError as exc:
+            log.info("data plane: TLS handshake with %s failed: %s", self.stream.peer, exc)
+            return None, "TLS handshake failed"
+        except FrameError as exc:
+            if preface != MAGIC:
+                return (grpc.StatusCode.INVALID_ARGUMENT,
+                        f"not a reducer data-plane client: expected the preface {MAGIC!r}")
+            return grpc.StatusCode.INVALID_ARGUMENT, f"bad HELLO frame: {exc}"
+        finally:
+            set_receive_tick(self.sock, None)
+        if frame is None or frame[0] != HELLO:
+            return grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be HELLO"
+        grant = plane.access.grant(bytes(frame[1]))
+        if grant is None:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong token in the data-plane HELLO")
+        self.stream.job = grant.job
+        return None
 
-    def _wake_writer(self) -> None:
-        """An item went into the outbox (loop thread, mostly)."""
-        if self._write_idle:
-            self._write_idle = False
-            self.io.post(self._on_put)
+    def _read_shards(self) -> None:
+        plane, limits = self.plane, self.plane.limits
+        ending = False  # we asked the loop to end the stream: read and drop the rest
+        while True:
+            try:
+                header = read_header(self.io, limits.max_message_bytes)
+                if header is None:  # the client half-closed: answer what is open, then OK
+                    plane.call(self.stream.half_close)
+                    return
+                kind, length = header
+                if ending or self.stream.ended or self.writer_done.is_set():
+                    self._skip(length)  # so the client sees our status, not a reset
+                    continue
+                if kind != SHARD:
+                    ending = True
+                    plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"unexpected frame kind {kind} after HELLO")
+                    self._skip(length)
+                    continue
+                if not plane.budget.reserve(length, RESERVE_WAIT_S):
+                    plane.call(self.stream.end, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               self._no_room(length))
+                    _drop_input(self.io, _LINGER_S)
+                    return
+                if not self._wait_for_room():  # the writer is gone: nothing more is taken
+                    plane.budget.give_transport(length)
+                    self._skip(length)
+                    continue
+                try:
+                    payload = self._receive(length)
+                except BaseException:
+                    plane.budget.give_transport(length)
+                    self._give_room()
+                    raise
+            except FrameTimeout as exc:
+                plane.call(self.stream.end, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"a frame of {length} bytes did not arrive within "
+                           f"{limits.frame_timeout_s:g} s of its header ({exc})")
+                _drop_input(self.io, _LINGER_S)
+                return
+            except FrameError as exc:
+                # The byte stream cannot be followed any further: end with why.
+                plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                _drop_input(self.io)
+                return
+            plane.call(self._accept, decode_request(payload), length)
+            # Not kept while waiting for the next header: with hundreds of
+            # connections, each one's last frame would add up.
+            del payload
 
-    def wake_for_room(self) -> None:
-        self.io.post(self._on_room)
+    def _wait_for_room(self) -> bool:
+        """Wait while the loop is behind (this connection's credit, the plane's
+        backlog) or the client does not read its replies; False once the
+        writer is gone. True: a credit and a backlog slot are taken."""
+        while not (self.outbox.wait_below(UNSENT_FRAMES, UNSENT_BYTES, 1.0)
+                   and self.credit.acquire(timeout=1.0)):
+            if self.writer_done.is_set():
+                return False
+        while not self.plane.backlog.acquire(timeout=1.0):
+            if self.writer_done.is_set():
+                self.credit.release()
+                return False
+        return True
+
+    def _give_room(self) -> None:
+        self.credit.release()
+        self.plane.backlog.release()
+
+    def _receive(self, length: int) -> memoryview:
+        """A payload, within the frame timeout of its header."""
+        set_receive_tick(self.sock, _RECEIVE_TICK_S)
+        try:
+            return read_payload(self.io, length,
+                                time.monotonic() + self.plane.limits.frame_timeout_s)
+        finally:
+            set_receive_tick(self.sock, None)
+
+    def _skip(self, length: int) -> None:
+        """Read and drop `length` bytes (nothing is reserved for them)."""
+        scratch = memoryview(bytearray(min(length, _SKIP_BYTES)))
+        while length:
+            view = scratch[:min(length, len(scratch))]
+            if not recv_exactly(self.io, view):
+                return
+            length -= len(view)
+
+    def _no_room(self, length: int) -> str:
+        budget = self.plane.budget
+        return (f"a frame of {length} bytes does not fit: the daemon holds {budget.held_bytes} "
+                f"of its {budget.limit_bytes} bytes (--max-inflight-bytes) and none came free "
+                f"within {RESERVE_WAIT_S:g} s; try again later")
+
+    def refuse(self, code: grpc.StatusCode, message: str) -> None:
+        log.info("data plane: refused %s: %s", self.stream.peer, message)
+        try:
+            self.sock.settimeout(_LINGER_S)
+            self.io.sendall(status_frame(code, message))
+            self.sock.shutdown(socket.SHUT_WR)
+            _drop_input(self.io, _LINGER_S)
+        except OSError:
+            pass
+        finally:
+            self.sock.close()
+
+    # -- on the loop thread --------------------------------------------------
 
     def _accept(self, shard: ShardView | DecodeError | DecodeFault, length: int) -> None:
-        """Hand a shard to the session (loop thread)."""
         try:
             self.plane.session.accept(shard, self.stream)  # it answers its own faults
         except Exception as exc:  # still a bug must end this stream, not hang its client
-            log.exception("data connection %s: shard not taken", self.peer)
+            log.exception("data connection %s: shard not taken", self.stream.peer)
             self.stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
         finally:
-            self.plane.room.release(self)
+            self._give_room()
             # The table copied what it keeps: the frame's buffer is free.
             self.plane.budget.give_transport(length)
-            self.plane.pool.room_given()
 
-    # -- events (I/O thread) --------------------------------------------------
-
-    def start(self) -> None:
-        try:
-            tune_socket(self.sock)
-            self.sock.setblocking(False)
-            if self.plane.tls_context is not None:
-                self.wire.start_tls(self.plane.tls_context)
-        except OSError as exc:
-            self.broke(exc)
-            return
-        self.begin_handshake(self.accepted_s + self.plane.limits.handshake_timeout_s)
-        self._drive(read=True, write=False)
-
-    def on_ready(self, mask: int) -> None:
-        self._drive(read=bool(mask & selectors.EVENT_READ),
-                    write=bool(mask & selectors.EVENT_WRITE))
-
-    def resume(self) -> None:
-        self._drive(read=True, write=True)
-
-    def retry_reserve(self) -> None:
-        self._drive(read=True, write=False)
-
-    def _on_put(self) -> None:
-        if not self.closed:
-            self._drive(read=False, write=True)
-
-    def _on_room(self) -> None:
-        if self.closed or self.state != ROOM:  # the slot it was woken for: to the next
-            self.plane.room.pass_on(self)
-        else:
-            self._drive(read=True, write=False)
-
-    def on_timer(self, now: float) -> None:
-        if self.closed:
-            return
-        read = self.deadline is not None and now >= self.deadline and self.expire(now)
-        if (not self.closed and self._blocked_since is not None
-                and self._writer in (W_RUN, W_REFUSE)
-                and now >= self._blocked_since + self._send_timeout_s()):
-            self._send_stalled()
-        if self._linger_at is not None and now >= self._linger_at and not self.closed:
-            read = self._linger(now) or read
-        if not self.closed:
-            self._drive(read=read, write=False)
-
-    def evict(self) -> None:
-        """Dropped in its handshake (more were handshaking, or the plane stops)."""
-        if not self.closed and not self.registered:
-            self.close()
-
-    def abandon(self) -> None:
-        """A fault of ours escaped a handler: give everything back and go."""
-        if self.closed:
-            return
-        self.give_back()
-        if self.registered:
-            self.outbox.discard()
-            self._finish()
-        else:
-            self.close()
-
-    def _drive(self, read: bool, write: bool) -> None:
-        if read:
-            self.read()
-        # Also what the reader queued (TLS records, a refusal), unless the socket is full.
-        if not self.closed and (write or (self.wire.pending and self._blocked_since is None)):
-            self._write()
-        if not self.closed and self._read_again:
-            self._read_again = False
-            self.read()
-            if not self.closed and self.wire.pending and self._blocked_since is None:
-                self._write()
-        self._settle()
-
-    def _settle(self) -> None:
-        """Select the socket for what its two sides wait for; time what has a deadline."""
-        if self.closed:
-            return
-        mask = ((selectors.EVENT_READ if self.state in READING else 0)
-                | (selectors.EVENT_WRITE if self._blocked_since is not None else 0))
-        self.io.watch(self.sock, self, self._mask, mask)
-        self._mask = mask
-        due = [when for when in (self.deadline, self._linger_at) if when is not None]
-        if self._blocked_since is not None and self._writer in (W_RUN, W_REFUSE):
-            due.append(self._blocked_since + self._send_timeout_s())
-        if due:
-            self.io.schedule(self, min(due))
-
-    # -- the end of the reading side (called by the reading steps) ------------
-
-    def reader_done(self) -> None:
-        self.enter(DONE)
-        if not self.registered:  # a refusal's last drain
-            self.close()
-        elif self._writer == W_DONE:
-            self._finish()
-
-    def refuse(self, code: grpc.StatusCode, message: str) -> None:
-        """Say why in a STATUS frame, shut our side, drain the client's for a while, close."""
-        log.info("data plane: refused %s: %s", self.peer, message)
-        self.plane.forget(self)
-        self.enter(DONE)
-        self._writer = W_REFUSE
-        self.wire.send(status_frame(code, message))
-
-    def admitted(self) -> None:
-        """The handshake passed and the plane took it: replies may flow."""
-        self.plane.call(self.plane.session.open_stream, self.stream)
-        self._writer = W_RUN
-        self._write_idle = True
-
-    def writer_done(self) -> bool:
-        return self._writer == W_DONE
-
-    # -- writing --------------------------------------------------------------
+    # -- the writer thread ---------------------------------------------------
 
     def _write(self) -> None:
-        writer = self._writer
         try:
-            if writer == W_RUN:
-                self._write_replies()
-            elif writer in (W_HANDSHAKE, W_REFUSE) and self._flush() and writer == W_REFUSE:
-                self.wire.close_write()
-                shutdown_quietly(self.sock, socket.SHUT_WR)
-                self.drop(LINGER_S)
-                self._read_again = True
-        except OSError as exc:  # broken, or the peer reset
-            log.debug("data connection %s broke while sending: %r", self.peer, exc)
-            if writer == W_RUN:
-                self._end_writer()
-            else:
-                self.close()
-
-    def _flush(self) -> bool:
-        """Send what is queued; whether all went (else the socket is selected for writing)."""
-        moved, done = self.wire.flush()
-        if done:
-            self._blocked_since = None
-        elif moved or self._blocked_since is None:
-            self._blocked_since = time.monotonic()
-        return done
-
-    def _write_replies(self) -> None:
-        queued = 0
-        while True:
-            if self.wire.pending and not self._flush():
-                return
-            if self._plain is not None:  # under TLS: encrypted as it goes
-                piece, rest = self._plain[:TLS_PIECE_BYTES], self._plain[TLS_PIECE_BYTES:]
-                self._plain = rest if len(rest) else None
-                self.wire.send(piece)
-                continue
-            if self._item is not None:
-                item, self._item = self._item, None
-                if self._last:
-                    self._end_writer()
-                    return
+            while True:
+                item = self.outbox.get()
+                if item is GONE:
+                    break
+                if item is END:
+                    self.io.sendall(status_frame(grpc.StatusCode.OK, ""))
+                    break
+                if isinstance(item, tuple):
+                    self.io.sendall(status_frame(*item))
+                    break
+                self.io.sendall(item.frame)  # frame header and message: one buffer
                 self.outbox.sent(item)
                 del item  # a sent reply is not kept while waiting for the next one
-                self.plane.pool.room_given()
-                if self.state == ROOM:  # it may wait for fewer unsent replies
-                    self._read_again = True
-            if queued >= _PUMP_SEND_BYTES:
-                self.io.again(self)
+        except OSError as exc:  # broken, or no progress for the send timeout
+            log.debug("data connection %s broke while sending: %r", self.stream.peer, exc)
+        finally:
+            self.outbox.discard()
+            self.writer_done.set()
+            # Half-close, give the client time to read our last frame and close
+            # its side (the reader drains meanwhile), then close.
+            shutdown_quietly(self.sock, socket.SHUT_WR)
+            if not self.reader_done.wait(_LINGER_S):
+                shutdown_quietly(self.sock, socket.SHUT_RDWR)
+                self.reader_done.wait(_LINGER_S)
+            self.sock.close()
+            self.plane.forget(self)
+            self.plane.call(self.plane.session.close_stream, self.stream)
+
+
+def _drop_input(io: Any, timeout_s: float | None = None) -> None:
+    """Read and drop until the client closes (or `timeout_s`, or the writer's
+    linger shuts the socket down)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    scratch = memoryview(bytearray(_SKIP_BYTES))
+    try:
+        while io.recv_into(scratch):
+            if deadline is not None and time.monotonic() > deadline:
                 return
-            item = self.outbox.get_nowait()
-            if item is None:
-                self._write_idle = True  # then look once more: a put may have seen False
-                item = self.outbox.get_nowait()
-                if item is None:
-                    return
-                self._write_idle = False
-            if item is GONE:
-                self._end_writer()
-                return
-            if item is END:
-                data = memoryview(status_frame(grpc.StatusCode.OK, ""))
-                self._last = True
-            elif isinstance(item, tuple):
-                data = memoryview(status_frame(*item))
-                self._last = True
-            else:
-                data = item.frame  # frame header and message: one buffer
-            self._item = item
-            queued += len(data)
-            if self.wire.tls is None:
-                self.wire.send(data)
-            else:
-                self._plain = data
+    except (OSError, ssl.SSLError):
+        pass
 
-    def _end_writer(self) -> None:
-        """The writer's end (its last frame went, or sending broke): half-close,
-        give the client LINGER_S to read our last frame and close its side
-        (the reader drains meanwhile), then close."""
-        self._writer = W_DONE
-        self._write_idle = False  # puts no longer wake anyone
-        self._item = self._plain = None
-        self._blocked_since = None
-        self.outbox.discard()
-        self.plane.pool.room_given()
-        self.wire.close_write()
-        shutdown_quietly(self.sock, socket.SHUT_WR)
-        if self.state == DONE:
-            self._finish()
-            return
-        self._linger_at = time.monotonic() + LINGER_S
-        self._read_again = True  # a reader waiting for room stops waiting
 
-    def _linger(self, now: float) -> bool:
-        if not self._lingered:  # shut the reading side too: the reader sees the end
-            self._lingered = True
-            shutdown_quietly(self.sock, socket.SHUT_RDWR)
-            self._linger_at = now + LINGER_S
-            return True
-        self._linger_at = None  # the reader still did not end: close anyway
-        self.give_back()
-        self.reader_done()
-        return False
-
-    def _send_timeout_s(self) -> float:
-        return self.plane.limits.send_timeout_s if self._writer == W_RUN else LINGER_S
-
-    def _send_stalled(self) -> None:
-        timeout_s = self._send_timeout_s()
-        log.debug("data connection %s broke while sending: no progress for %g s",
-                  self.peer, timeout_s)
-        if self._writer == W_RUN:
-            self._end_writer()
-        else:
-            self.close()
-
-    # -- closing --------------------------------------------------------------
-
-    def broke(self, exc: OSError) -> None:
-        """Reading failed: the connection broke."""
-        log.debug("data connection %s broke: %r", self.peer, exc)
-        self.give_back()
-        if self.registered:
-            self.enter(DONE)
-            self.outbox.put_nowait(GONE)
-            self.reader_done()
-        else:
-            self.close()
-
-    def _finish(self) -> None:
-        self.close()
-        self.plane.call(self.plane.session.close_stream, self.stream)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.give_back()
-        self.closed = True
-        try:
-            self.io.watch(self.sock, self, self._mask, 0)
-        except (KeyError, ValueError, OSError):
-            pass
-        self._mask = 0
-        self._item = self._plain = None
-        self.io.remove(self)
-        self.plane.room.pass_on(self)
-        self.plane.forget(self)
-        self.sock.close()
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))

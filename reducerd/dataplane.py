@@ -2,17 +2,14 @@
 
 Each connection is a Stream of the Session, like a Reduce call: the shards
 go through the same checks and table, replies and in-band errors are the same
-messages. Only the I/O differs: an accept thread hands each connection to one
-of a few I/O threads (reducerd.dataio: a selector loop each, over
-non-blocking sockets), which runs it as a state machine (reducerd.dataconn):
-it receives each frame straight into a fresh buffer (recv_into, no copy) and
-hands the shard to the event loop thread, which alone touches the table, and
-sends what the loop puts into the stream's outbox: each reply's frame, one
-buffer that the result was narrowed into (reducerd.replies), resumed where a
-partial send stopped. Socket calls release the GIL, so receiving and sending
-run beside the sums, and no per-byte work happens in Python; with hundreds of
-contributors the threads stay a handful. Under TLS (the daemon's --tls-cert)
-the same runs through reducer_wire.tls.TlsChannel's memory BIOs.
+messages. Only the I/O differs: a reader thread per connection receives each
+frame straight into a fresh buffer (recv_into, no copy) and hands the shard
+to the event loop thread, which alone touches the table; a writer thread per
+connection sends what the loop puts into the stream's outbox: each reply's
+frame, one buffer that the result was narrowed into (reducerd.replies), in
+one send. Socket calls release the GIL, so receiving and sending run beside
+the sums, and no per-byte work happens in Python. Under TLS (the daemon's
+--tls-cert) the same runs over reducer_wire.tls.TlsChannel.
 
 Bounds, so that no client can hold the daemon's memory or threads for ever
 (the per-connection ones in reducerd.dataconn):
@@ -25,8 +22,8 @@ Bounds, so that no client can hold the daemon's memory or threads for ever
   refused with RESOURCE_EXHAUSTED (clients fall back to gRPC for a while);
 - each frame's declared length is reserved from the memory budget
   (--max-inflight-bytes) before it is read, and must arrive within the frame
-  timeout; a connection stops reading while its replies wait unsent; a send
-  without progress for `send_timeout_s` ends the connection.
+  timeout; a reader pauses while its replies wait unsent; a send without
+  progress for `send_timeout_s` ends the connection.
 """
 
 from __future__ import annotations
@@ -41,12 +38,10 @@ from collections import OrderedDict
 from typing import Any
 
 import grpc
+from reducer_wire.framing import shutdown_quietly
 
 from reducerd.access import Access
-from reducerd.dataconn import Connection, ConnectionLimits
-from reducerd.dataframes import BACKLOG_FRAMES, QUEUED_FRAMES
-from reducerd.dataio import IoPool, default_io_threads
-from reducerd.dataroom import Room
+from reducerd.dataconn import BACKLOG_FRAMES, Connection, ConnectionLimits, Credit
 from reducerd.limits import MemoryBudget
 from reducerd.session import Session
 
@@ -59,21 +54,18 @@ MAX_HANDSHAKING = 64
 MAX_CONNECTIONS = 4096
 _ACCEPT_POLL_S = 0.5
 # Data-plane threads do socket calls and decoding: far less stack than the
-# default 8 MiB of address space each.
+# default 8 MiB of address space each (thousands of them under RLIMIT_AS).
 _THREAD_STACK_BYTES = 1 << 20
 
 
 class DataPlane:
-    """Serves the data plane for `session` on its own threads: an accept
-    thread and `io_threads` I/O threads (default: the CPUs it may run on,
-    at most reducerd.dataio.MAX_IO_THREADS)."""
+    """Serves the data plane for `session` on its own threads."""
 
     def __init__(self, session: Session, loop: asyncio.AbstractEventLoop,
                  access: Access, max_message_bytes: int,
                  send_timeout_s: float = 60.0, tls_context: ssl.SSLContext | None = None,
                  budget: MemoryBudget | None = None, max_handshaking: int | None = None,
-                 max_connections: int | None = None, io_threads: int | None = None,
-                 ) -> None:
+                 max_connections: int | None = None) -> None:
         self.session = session
         self.loop = loop
         self.access = access
@@ -93,9 +85,8 @@ class DataPlane:
         self._handshaking: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._connections: set[Connection] = set()
         self._stopped = False
-        # Frames read and not yet taken by the loop thread: per connection, in all.
-        self.room = Room(QUEUED_FRAMES, BACKLOG_FRAMES)
-        self.pool = IoPool(io_threads or default_io_threads())
+        # Frames read on all connections and not yet taken by the loop thread.
+        self.backlog = Credit(BACKLOG_FRAMES)
 
     @property
     def handshaking(self) -> int:
@@ -120,24 +111,21 @@ class DataPlane:
         listener.settimeout(_ACCEPT_POLL_S)  # the accept loop sees stop() within this
         self._listener = listener
         threading.stack_size(_THREAD_STACK_BYTES)  # for the threads started from now on
-        self.pool.start()
         threading.Thread(target=self._accept_loop, daemon=True,
                          name="reducerd-data-accept").start()
         return int(listener.getsockname()[1])
 
     def stop(self, message: str = "reducerd is shutting down") -> None:
         """Stop accepting; end every connection, registered ones with UNAVAILABLE
-        (loop thread). The I/O threads end once their connections have (a
-        last frame's linger at most)."""
+        (loop thread)."""
         with self._lock:
             self._stopped = True
             registered = list(self._connections)
             handshaking = list(self._handshaking)
         for conn in registered:
             conn.stream.end(grpc.StatusCode.UNAVAILABLE, message)
-        for conn in handshaking:  # closed by its I/O thread
-            conn.io.post(conn.evict)
-        self.pool.stop()
+        for conn in handshaking:  # wake its reader
+            shutdown_quietly(conn.sock, socket.SHUT_RDWR)
 
     def _accept_loop(self) -> None:
         listener = self._listener
@@ -155,7 +143,7 @@ class DataPlane:
                 log.warning("data plane: accept failed: %s", exc)
                 time.sleep(_ACCEPT_POLL_S)
                 continue
-            conn = Connection(self, sock, f"{address[0]}:{address[1]}", self.pool.pick())
+            conn = Connection(self, sock, f"{address[0]}:{address[1]}")
             evicted = None
             with self._lock:
                 stopped = self._stopped
@@ -164,17 +152,22 @@ class DataPlane:
                         evicted, _ = self._handshaking.popitem(last=False)
                     self._handshaking[conn] = None
             if stopped:
-                conn.io.uncount(conn)
                 sock.close()
                 continue
             if evicted is not None:
                 log.info("data plane: %d connections in their handshake; dropping the "
                          "oldest, %s", self.max_handshaking, evicted.stream.peer)
-                evicted.io.post(evicted.evict)
-            conn.io.post(conn.io.add, conn)
+                shutdown_quietly(evicted.sock, socket.SHUT_RDWR)
+            try:
+                threading.Thread(target=conn.serve, daemon=True,
+                                 name=f"reducerd-data-read-{conn.stream.peer}").start()
+            except RuntimeError as exc:  # no thread to be had
+                log.warning("data plane: dropping %s: %s", conn.stream.peer, exc)
+                self.forget(conn)
+                sock.close()
         listener.close()
 
-    # -- for the connections (their I/O threads) ----------------------------
+    # -- for the connections' threads ---------------------------------------
 
     def admit(self, conn: Connection) -> tuple[grpc.StatusCode, str] | None:
         """Move a connection that passed its handshake among the authenticated

@@ -25,8 +25,7 @@ from reducer_wire.codes import status_code_from_value
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
            "Receiver", "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header",
-           "parse_header", "truncated", "read_header", "read_payload", "read_frame",
-           "send_frame", "status_frame",
+           "read_header", "read_payload", "read_frame", "send_frame", "status_frame",
            "parse_status", "recv_exactly", "set_receive_tick", "shutdown_quietly",
            "tune_socket"]
 
@@ -97,7 +96,8 @@ def recv_exactly(sock: Receiver, view: memoryview, deadline_s: float | None = No
             n = -1
         if not n:
             if got:
-                raise truncated(got, len(view))
+                raise TruncatedFrame(f"connection ended inside a frame ({got} of "
+                                     f"{len(view)} bytes)")
             return False
         got += max(n, 0)
         if deadline_s is not None and got < len(view) and time.monotonic() >= deadline_s:
@@ -111,12 +111,6 @@ def read_header(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
     header = bytearray(_HEADER.size)
     if not recv_exactly(sock, memoryview(header), deadline_s):
         return None
-    return parse_header(header, max_bytes)
-
-
-def parse_header(header: bytes | bytearray | memoryview, max_bytes: int) -> tuple[int, int]:
-    """A received frame header's (kind, length); FrameError names what is wrong
-    (for a reader that gathers the bytes itself, e.g. from a non-blocking socket)."""
     kind, length = _HEADER.unpack(header)
     if kind not in (HELLO, SHARD, STATUS):
         raise FrameError(f"unknown frame kind {kind}")
@@ -126,18 +120,13 @@ def parse_header(header: bytes | bytearray | memoryview, max_bytes: int) -> tupl
     return kind, length
 
 
-def truncated(got: int, wanted: int) -> TruncatedFrame:
-    """The error for a connection that ended after `got` of `wanted` bytes of a frame part."""
-    return TruncatedFrame(f"connection ended inside a frame ({got} of {wanted} bytes)")
-
-
 def read_payload(sock: Receiver, length: int, deadline_s: float | None = None,
                  ) -> memoryview:
     """A frame's payload, in a fresh uninitialised buffer, without copies:
     shard data decoded from it stays a view into it."""
     payload = np.empty(length, np.uint8).data
     if not recv_exactly(sock, payload, deadline_s) and length:
-        raise truncated(0, length)
+        raise TruncatedFrame(f"connection ended inside a frame (0 of {length} bytes)")
     return payload
 
 

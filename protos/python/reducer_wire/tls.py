@@ -16,10 +16,7 @@ be used by two threads at once, and in TLS 1.3 a read may have to write). So
 the TLS state is an ssl.SSLObject over memory buffers, used under a lock for
 short CPU-only steps, while the socket calls happen outside it (a second lock
 keeps the encrypted records in order on the socket). It offers what the
-framing code uses of a socket: recv_into and sendall. A caller that drives a
-non-blocking socket itself (the daemon's I/O threads) uses its CPU-only steps
-instead (feed, step_handshake, read_into, encrypt, take_records) and moves
-the bytes on its own.
+framing code uses of a socket: recv_into and sendall.
 """
 
 from __future__ import annotations
@@ -217,52 +214,6 @@ class TlsChannel:
                     self._tls.write(view[start:start + _WRITE_PIECE_BYTES])
                     records = self._outgoing.read()
                 self.sock.sendall(records)
-
-    # -- CPU-only steps, for a caller that moves the socket's bytes itself -------
-
-    def feed(self, raw: bytes) -> None:
-        """Hand encrypted bytes received from the socket to the TLS state."""
-        with self._lock:
-            self._incoming.write(raw)
-
-    def step_handshake(self) -> bool:
-        """Advance the handshake on the bytes fed so far: True once it is done
-        (send take_records() either way); ssl.SSLError if it failed."""
-        with self._lock:
-            try:
-                self._tls.do_handshake()
-                return True
-            except ssl.SSLWantReadError:
-                return False
-
-    def read_into(self, view: memoryview) -> int | None:
-        """Plaintext already fed into `view`: a count, 0 at the peer's
-        close_notify, None when more encrypted bytes must be fed first."""
-        got = 0
-        with self._lock:
-            while got < len(view):  # one read() returns one record at most
-                try:
-                    n: int = self._tls.read(len(view) - got, view[got:])  # type: ignore
-                except ssl.SSLWantReadError:
-                    break
-                except ssl.SSLZeroReturnError:
-                    return got
-                if not n:
-                    break
-                got += n
-        return got or None
-
-    def encrypt(self, data: bytes | memoryview) -> bytes:
-        """The records carrying `data`, with any the TLS state had yet to send
-        before them (in the order they go on the socket)."""
-        with self._lock:
-            self._tls.write(data)
-            return self._outgoing.read()
-
-    def take_records(self) -> bytes:
-        """Records the TLS state wrote (handshake, alerts, key updates), to send."""
-        with self._lock:
-            return self._outgoing.read()
 
     def shutdown(self, how: int) -> None:
         self.sock.shutdown(how)
