@@ -83,6 +83,10 @@ class Trainer:
             self.reducer.close()
 
 
+# DDP models of systems already run (DDPTrainer.close).
+_RETIRED: list[Any] = []
+
+
 def _gloo_group(spec: dict[str, Any]) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
@@ -121,6 +125,15 @@ class DDPTrainer(Trainer):
 
     def forward(self) -> torch.Tensor:
         return self.ddp(self.token)
+
+    def close(self) -> None:
+        # Kept until the process ends without destructors (worker.py): freeing
+        # DDP's Reducer destroys its ProcessGroupGloo, which joins its worker
+        # thread while this thread holds the GIL, and that thread may still
+        # need the GIL to free its last work's Python state: a deadlock (seen
+        # in 2 of 3 runs of the tiny bench, torch 2.13, between two systems).
+        _RETIRED.append(self.ddp)
+        super().close()
 
 
 class OptimizerTrainer(Trainer):

@@ -16,6 +16,7 @@ that waits for it. Reports go to stdout as `@bench ` JSON lines
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -151,4 +152,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: it would free the retired DDP models, whose
+    # process groups' destructors can deadlock on the GIL (trainers.py).
+    os._exit(code)
