@@ -51,7 +51,6 @@ from reducer_wire.framing import (
 from reducer_wire.tls import TlsChannel
 
 from reducerd.outbox import ThreadOutbox
-from reducerd.replies import Reply
 from reducerd.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
 
 if TYPE_CHECKING:

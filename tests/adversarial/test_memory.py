@@ -188,7 +188,7 @@ def test_connections_waiting_for_their_next_frame_keep_none_of_the_last(tmp_path
             message = shard("idle", rank, connections + 1,
                             np.full(nbytes // 4, rank, np.float32)).SerializeToString()
             sock.sendall(frame_header(SHARD, len(message)) + message)
-            assert _wait(lambda: _job(daemon, "idle").bytes_in >= (rank + 1) * nbytes,
+            assert _wait(lambda rank=rank: _job(daemon, "idle").bytes_in >= (rank + 1) * nbytes,
                          10, 0.02), rank
             if rank == connections - 1:  # every connection but the last has sent
                 grown = rss_bytes(daemon) - before
