@@ -59,10 +59,16 @@ test-deploy: $(BUILT)
 test-adversarial: $(BUILT)
 	REDUCER_ADVERSARIAL=long $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/adversarial
 
-# The core runs under numpy 1.23 here as well as numpy 2 in .venv.
+# The core and the daemon under numpy 1.23 as well as numpy 2 in .venv: every
+# unit test, the integration tests whose sums, 8-bit formats or codecs go through
+# NumPy, and the MXNet shim. The protocol's faults, fuzz, access and node-local
+# tests do not depend on NumPy's version; test-main runs them.
+MX_INTEGRATION := tests/integration/test_core_allreduce.py tests/integration/test_quant_wire.py \
+	tests/integration/test_summing_threads.py tests/integration/test_node_feedback.py \
+	tests/integration/test_data_plane.py::test_tcp_grpc_and_numpy_codecs_give_the_same_bytes
 test-mxnet: $(BUILT_MX)
-	$(VENV_MX)/bin/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/mxnet_shim \
-		-m "not slow"
+	$(VENV_MX)/bin/python -m pytest -q $(PYTEST_ARGS) tests/unit $(MX_INTEGRATION) \
+		tests/mxnet_shim -m "not slow"
 
 demo: $(BUILT)
 	$(VENV)/bin/python examples/demo.py

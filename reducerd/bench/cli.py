@@ -10,6 +10,7 @@ from reducerd.bench.arguments import UsageError
 from reducerd.bench.config import (
     BASELINE_CHOICES,
     REDUCERD_WIRE_BASELINES,
+    TCP_FLOOR_SYSTEMS,
     WIRE_DTYPE_NAMES,
     BenchConfig,
     systems_for,
@@ -43,14 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed iterations per size (default 10)")
     parser.add_argument("--warmup", type=int, default=3, metavar="K",
                         help="untimed iterations per size first (default 3)")
-    gloo_mxnet = ", ".join(w for w in BASELINE_CHOICES if w not in REDUCERD_WIRE_BASELINES)
+    gloo_mxnet = ", ".join(w for w in BASELINE_CHOICES
+                           if w not in REDUCERD_WIRE_BASELINES + TCP_FLOOR_SYSTEMS[1:])
     parser.add_argument("--baselines", default="gloo,mxnet", metavar="LIST",
                         help=f"comma-separated, from {gloo_mxnet}, or reducerd-DTYPE "
                              f"(DTYPE one of {', '.join(WIRE_DTYPE_NAMES)}: reducerd's "
                              "core path over that wire dtype on fresh daemons, e.g. "
                              "--wire-dtype int8 --baselines reducerd-float16; not "
-                             "--wire-dtype itself) (default gloo,mxnet; gloo means "
-                             "float32 and float16)")
+                             "--wire-dtype itself), or tcp-floor[-DTYPE] (reducerd's "
+                             "chunks over plain TCP with no work: what the network alone "
+                             "costs) (default gloo,mxnet; gloo means float32 and float16)")
     parser.add_argument("--no-ddp-hook", dest="ddp_hook", action="store_false",
                         help="do not time the PyTorch shim's path (a DDP bucket through "
                              "reducer_client.torch.allreduce_hook, system "

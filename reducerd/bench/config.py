@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "REDUCERD_WIRE_BASELINES",
+           "TCP_FLOOR_SYSTEMS",
            "BASELINE_CHOICES", "WIRE_DTYPE_NAMES", "wire_nbytes", "systems_for"]
 
 # --wire-dtype choices: reducer_wire.dtypes.WIRE_DTYPES's names, written out so
@@ -14,9 +15,12 @@ WIRE_DTYPE_NAMES = ("float16", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e
 # reducerd's core path over a fixed wire dtype, as a baseline beside the
 # --wire-dtype one in the same run (e.g. int8 against "reducerd-float16").
 REDUCERD_WIRE_BASELINES = tuple(f"reducerd-{name}" for name in WIRE_DTYPE_NAMES)
+# reducerd's chunks over plain TCP with no work (reducerd/bench/floor.py): what the
+# network alone costs that byte pattern, over --wire-dtype's bytes or a fixed dtype's.
+TCP_FLOOR_SYSTEMS = ("tcp-floor", *(f"tcp-floor-{name}" for name in WIRE_DTYPE_NAMES))
 # Every system the bench knows, in the order it runs them (and prints them).
 SYSTEMS = ("reducerd", "reducerd-ddp-hook", *REDUCERD_WIRE_BASELINES, "gloo-float32",
-           "gloo-float16", "mxnet-ps")
+           "gloo-float16", "mxnet-ps", *TCP_FLOOR_SYSTEMS)
 # The systems that run on reducerd daemons: the core's allreduce(out=), a DDP
 # bucket through reducer_client.torch.allreduce_hook (the shim's path), and
 # the core's over each fixed wire dtype.
@@ -29,6 +33,7 @@ BASELINE_CHOICES = {
     "mxnet": ("mxnet-ps",),
     "mxnet-ps": ("mxnet-ps",),
     **{system: (system,) for system in REDUCERD_WIRE_BASELINES},
+    **{system: (system,) for system in TCP_FLOOR_SYSTEMS},
     "none": (),
 }
 
@@ -72,13 +77,15 @@ class BenchConfig:
                 *self.baselines)
 
     def wire_dtype_of(self, system: str) -> str:
-        """The wire dtype a reducerd system sends: its own for "reducerd-float16" etc.,
-        --wire-dtype for "reducerd" and "reducerd-ddp-hook"."""
+        """The wire dtype a reducerd or tcp-floor system sends: its own for
+        "reducerd-float16", "tcp-floor-int8" etc., else --wire-dtype."""
         if system in REDUCERD_WIRE_BASELINES:
             return system.removeprefix("reducerd-")
-        if system in REDUCERD_SYSTEMS:
+        if system in TCP_FLOOR_SYSTEMS[1:]:
+            return system.removeprefix("tcp-floor-")
+        if system in REDUCERD_SYSTEMS or system == "tcp-floor":
             return self.wire_dtype
-        raise ValueError(f"{system!r} does not run on reducerd")
+        raise ValueError(f"{system!r} has no wire dtype of reducerd's")
 
     @property
     def nodes(self) -> int:

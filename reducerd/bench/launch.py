@@ -13,10 +13,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from reducerd.bench.config import REDUCERD_SYSTEMS, REDUCERD_WIRE_BASELINES, BenchConfig
+from reducerd.bench.config import (
+    REDUCERD_SYSTEMS,
+    REDUCERD_WIRE_BASELINES,
+    TCP_FLOOR_SYSTEMS,
+    BenchConfig,
+)
 from reducerd.bench.netns import Cluster, Host, loopback_host
-from reducerd.bench.procs import Proc, ProcessSet
-from reducerd.bench.session import free_port, start_daemons
+from reducerd.bench.procs import Proc, ProcessSet, wait_for_log
+from reducerd.bench.session import READY_TIMEOUT_S, free_port, start_daemons
 
 __all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
 
@@ -24,7 +29,8 @@ __all__ = ["Placement", "make_placement", "launch", "default_mxnet_python"]
 # Each system its own port, so that none waits on the previous one's sockets.
 _NETNS_PORTS = {"reducerd": 50051, "reducerd-ddp-hook": 50052, "gloo-float32": 29501,
                 "gloo-float16": 29502, "mxnet-ps": 9091,
-                **{system: 50053 + i for i, system in enumerate(REDUCERD_WIRE_BASELINES)}}
+                **{system: 50053 + i for i, system in enumerate(REDUCERD_WIRE_BASELINES)},
+                **{system: 50070 + i for i, system in enumerate(TCP_FLOOR_SYSTEMS)}}
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,8 @@ def _port(system: str, host: Host) -> int:
 
 def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extra) -> str:
     # A reducerd system's own wire dtype: what its client sends and its check allows.
-    wire_dtype = config.wire_dtype_of(system) if system in REDUCERD_SYSTEMS else \
-        config.wire_dtype
+    wire_dtype = config.wire_dtype_of(system) \
+        if system in REDUCERD_SYSTEMS + TCP_FLOOR_SYSTEMS else config.wire_dtype
     return json.dumps({
         "system": system, "rank": rank, "world_size": config.workers,
         "sizes_bytes": list(config.sizes_bytes), "iters": config.iters,
@@ -138,6 +144,24 @@ def _launch_mxnet(config: BenchConfig, placement: Placement, procs: ProcessSet,
     return workers, helpers
 
 
+def _launch_floor(system: str, config: BenchConfig, placement: Placement,
+                  procs: ProcessSet) -> tuple[list[Proc], list[Proc]]:
+    """An echo server (reducerd/bench/floor.py) on each daemon host, then the workers."""
+    from reducerd.bench.floor import LISTENING
+
+    servers, addresses = [], []
+    for i, host in enumerate(placement.daemons):
+        argv = host.command([sys.executable, "-m", "reducerd.bench.floor", "--listen",
+                             f"{host.address}:{_port(system, host)}",
+                             "--workers", str(config.workers)])
+        servers.append(procs.start(f"{system}-server{i}", argv, {}))
+    for host, server in zip(placement.daemons, servers, strict=True):
+        port = wait_for_log(server, rf"{LISTENING} \S+:(\d+)", READY_TIMEOUT_S).group(1)
+        addresses.append(f"{host.address}:{port}")
+    return _start_workers(system, sys.executable, config, placement, procs,
+                          lambda rank, host: {}, addresses=addresses), servers
+
+
 def launch(system: str, config: BenchConfig, placement: Placement, procs: ProcessSet,
            run_id: str, mxnet_python: Path) -> tuple[list[Proc], list[Proc]]:
     """Start `system`; return (workers, helpers) where helpers must outlive the workers."""
@@ -147,4 +171,6 @@ def launch(system: str, config: BenchConfig, placement: Placement, procs: Proces
         return _launch_gloo(system, config, placement, procs)
     if system == "mxnet-ps":
         return _launch_mxnet(config, placement, procs, str(mxnet_python))
+    if system in TCP_FLOOR_SYSTEMS:
+        return _launch_floor(system, config, placement, procs)
     raise ValueError(f"unknown system {system!r}")

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from reducerd.bench.config import REDUCERD_SYSTEMS, REDUCERD_WIRE_BASELINES
+from reducerd.bench.config import REDUCERD_SYSTEMS, REDUCERD_WIRE_BASELINES, TCP_FLOOR_SYSTEMS
 from reducerd.bench.netns import read_counters
 
 __all__ = ["Comm", "make_comm", "run_sweep", "rank_value"]
@@ -68,7 +68,8 @@ class Comm(Protocol):
     prepare() allocates, refill() restores the input (outside the timed
     region: Gloo and MXNet reduce in place), run() is the timed allreduce
     including any dtype casts the system needs, result() returns the float32
-    output to check, barrier() syncs all ranks, close() tears down.
+    output that check() compares with the expected sum, barrier() syncs all
+    ranks, close() tears down.
     """
 
     def prepare(self, numel: int) -> None: ...
@@ -76,6 +77,18 @@ class Comm(Protocol):
         return None
     def run(self) -> None: ...
     def result(self) -> np.ndarray: ...
+
+    def check(self, numel: int, expected: int, allowed: float, label: str) -> None:
+        """AssertionError unless result() has `numel` elements, each within `allowed`
+        of `expected`."""
+        out = self.result()
+        if out.size != numel:
+            raise AssertionError(f"{label}: {out.size} elements back, not {numel}")
+        wrong = np.abs(out.astype(np.float64) - expected) > allowed
+        if wrong.any():
+            bad = np.flatnonzero(wrong)[:3].tolist()
+            raise AssertionError(f"{label}: wrong sum at elements {bad}: {out[bad].tolist()} "
+                                 f"(expected {expected} within {allowed:g})")
     def barrier(self) -> None: ...
     def close(self) -> None: ...
 
@@ -268,6 +281,10 @@ def make_comm(spec: dict[str, Any]) -> Comm:
         return GlooComm(spec, system.removeprefix("gloo-"))
     if system == "mxnet-ps":
         return MxnetComm(spec)
+    if system in TCP_FLOOR_SYSTEMS:
+        from reducerd.bench.floor import FloorComm
+
+        return FloorComm(spec)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -324,12 +341,6 @@ def run_sweep(comm: Comm, spec: dict[str, Any], emit: Callable[..., None]) -> No
                     received.append(rx1 - rx0 - 2 * barrier_rx)
                     sent.append(tx1 - tx0 - 2 * barrier_tx)
             emit("iter", size_bytes=size_bytes, iteration=it)
-        out = comm.result()
-        wrong = np.abs(out.astype(np.float64) - expected) > allowed
-        if out.size != size_bytes // 4 or wrong.any():
-            bad = np.flatnonzero(wrong)[:3].tolist()
-            raise AssertionError(f"{spec['system']} {size_bytes} bytes: wrong sum at "
-                                 f"elements {bad}: {out[bad].tolist()} (expected {expected}"
-                                 f" within {allowed:g})")
+        comm.check(size_bytes // 4, expected, allowed, f"{spec['system']} {size_bytes} bytes")
         emit("size", size_bytes=size_bytes, times_s=times_s,
              bytes_received=received or None, bytes_sent=sent or None)

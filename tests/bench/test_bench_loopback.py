@@ -22,10 +22,11 @@ def run_bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
 
 
 def test_loopback_sweep_every_system(tmp_path: Path):
-    """2 workers, 2 daemons, two tiny sizes: reducerd, Gloo fp32/fp16 and ps-lite all report."""
+    """2 workers, 2 daemons, two tiny sizes: reducerd, Gloo fp32/fp16, ps-lite and the
+    tcp-floor all report."""
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["--workers", "2", "--daemons", "2", "--sizes", "4K,64K", "--iters", "2",
-            "--warmup", "1", "--json", str(out)]
+            "--warmup", "1", "--baselines", "gloo,mxnet,tcp-floor", "--json", str(out)]
     if HAS_MATPLOTLIB:
         args += ["--plot", str(plot)]
     done = run_bench(*args)
@@ -35,6 +36,7 @@ def test_loopback_sweep_every_system(tmp_path: Path):
     # The shim's path (a DDP bucket through the hook), beside the core's.
     systems += ["reducerd-ddp-hook", "gloo-float32", "gloo-float16"] if HAS_TORCH else []
     systems += ["mxnet-ps"] if HAS_MXNET_ENV else []
+    systems += ["tcp-floor"]
     check_results(data, systems, SIZES)
     config = data["config"]
     assert config["workers"] == 2 and config["daemons"] == 2

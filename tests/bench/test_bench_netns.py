@@ -89,21 +89,24 @@ def test_emulated_cluster_counts_bytes_per_worker_and_node(tmp_path: Path):
 
 
 def test_int8_beside_reducerd_float16_counts_each_wires_own_bytes(tmp_path: Path):
-    """--wire-dtype int8 --baselines reducerd-float16 on 2 nodes: each system's bytes
-    near its own dtype's theory (int8 with its scales), about half float16's."""
+    """--wire-dtype int8 --baselines reducerd-float16,tcp-floor-float16 on 2 nodes: each
+    system's bytes near its own dtype's theory (int8 with its scales), about half
+    float16's; the floor (plain TCP, no work) carries float16's model too."""
     out = tmp_path / "bench.json"
     bench = start_bench("--workers", "2", "--daemons", "1", "--sizes", "256K", "--iters", "2",
                         "--warmup", "1", "--emulate-cluster", "10gbit", "--wire-dtype", "int8",
-                        "--baselines", "reducerd-float16", "--no-ddp-hook",
+                        "--baselines", "reducerd-float16,tcp-floor-float16", "--no-ddp-hook",
                         "--stall-timeout", "60", "--json", str(out))
     stdout, stderr = bench.communicate(timeout=120)
     assert bench.returncode == 0, stderr + stdout
     assert namespaces_of(bench.pid) == []
     data = json.loads(out.read_text())
-    check_results(data, ["reducerd", "reducerd-float16"], [256 << 10], EMULATED_KEYS)
+    check_results(data, ["reducerd", "reducerd-float16", "tcp-floor-float16"], [256 << 10],
+                  EMULATED_KEYS)
     by_system = {r["system"]: r for r in data["results"]}
     numel = (256 << 10) // 4
-    theory = {"reducerd": 4 * numel // 128 + numel, "reducerd-float16": 2 * numel}
+    theory = {"reducerd": 4 * numel // 128 + numel, "reducerd-float16": 2 * numel,
+              "tcp-floor-float16": 2 * numel}
     for system, model in theory.items():
         r = by_system[system]
         assert r["theory_bytes_per_worker"] == model
