@@ -154,3 +154,40 @@ def test_link_queue_puts_back_at_the_head_of_a_priority():
     q.put("c", 0, front=True)
     assert [q.get() for _ in range(6)] == ["x", "y", "z", "c", "a", "b"]
     assert not q.urgent_beyond(0)
+
+
+class _CountingOrder(SendOrder):
+    """A SendOrder that counts how often a waiter looks at its condition."""
+
+    looks = 0
+
+    def _may_go(self, index: int) -> bool:
+        self.looks += 1
+        return super()._may_go(index)
+
+
+def test_a_sender_waiting_its_turn_sleeps_until_an_urgent_chunk_comes():
+    """Chunk 1 waits for chunk 0 (never handed over, on no link) without polling
+    (the sender used to look every 2 ms, 500 wake-ups a second per link); an
+    urgent chunk queued meanwhile wakes it, goes first, and chunk 1 follows
+    once its turn comes."""
+    held = _HeldTransport(flowing=True)
+    link = DaemonLink("a:1", control=FakeDaemon(), transports=[held])
+    try:
+        order = _CountingOrder(2, window=1, max_wait_s=10.0)
+        _send(link, order, 1)
+        time.sleep(0.3)
+        assert held.taken == [] and order.looks <= 4, order.looks
+        start = time.monotonic()
+        _send(link, SendOrder(1, window=1), 99, priority=5)
+        deadline = start + 5
+        while not held.taken and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert held.taken == [99] and time.monotonic() - start < 1.0
+        order.handed(0)
+        deadline = time.monotonic() + 5
+        while len(held.taken) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert held.taken == [99, 1] and not order.released
+    finally:
+        link.close()

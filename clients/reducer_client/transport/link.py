@@ -56,8 +56,6 @@ PendingKey = tuple[str, int, int]
 # Called on the reader thread with the reply, or with None and an error.
 ReplyHandler = Callable[[ShardView | None, ReducerError | None], None]
 _CLOSE = object()
-# How often a sender waiting for a chunk's turn looks for a more urgent chunk.
-_TURN_SLICE_S = 0.002
 # Backoff between stream attempts: 0, 50 ms, 100 ms, ... up to 1 s.
 _FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
 
@@ -356,11 +354,19 @@ class DaemonLink:
 
 def _await_turn(outbox: LinkQueue, turn: Turn, priority: int) -> bool:
     """Wait for the turn; False as soon as a chunk more urgent than this one
-    (of `priority`) is queued behind it, which should go first."""
-    while not turn.wait(_TURN_SLICE_S):
-        if outbox.urgent_beyond(priority):
-            return False
-    return True
+    (of `priority`) is queued behind it, which should go first (its put
+    pokes the turn's order: order.LinkQueue)."""
+    def urgent() -> bool:
+        return outbox.top_priority > priority
+
+    outbox.waiting = (turn, priority)
+    try:
+        while not turn.wait(interrupted=urgent):
+            if outbox.urgent_beyond(priority):
+                return False
+        return True
+    finally:
+        outbox.waiting = None
 
 
 def _call(handler: ReplyHandler, reply: ShardView | None, error: ReducerError | None,

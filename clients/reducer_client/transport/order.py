@@ -28,6 +28,10 @@ its priority and so keep their order. A sender waiting for a chunk's turn
 puts it back at the head of its priority when a more urgent chunk is queued
 (link.py), so an operation's order never holds back a more urgent one; the
 sender waits for nothing but local progress, so priorities cannot deadlock.
+The waiting sender does not poll for that: the put of a more urgent chunk
+pokes the order it waits on (with 2 ms polls, the senders waiting their
+turns woke 500 times a second each, a large part of a worker's CPU on the
+emulated cluster).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import heapq
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["SendOrder", "Turn", "LinkQueue", "WINDOW_PER_DAEMON", "MAX_WAIT_S"]
@@ -83,20 +88,33 @@ class SendOrder:
     def _may_go(self, index: int) -> bool:
         return index - self.window < self._frontier or self._released
 
-    def wait(self, index: int, timeout_s: float | None = None) -> bool:
+    def wait(self, index: int, timeout_s: float | None = None,
+             interrupted: Callable[[], bool] | None = None) -> bool:
         """Block until chunk `index` may go, at most timeout_s; whether it may.
         Without timeout_s: at most max_wait_s, after which the order gives up
-        (released: a link is stuck, stop pacing this operation)."""
+        (released: a link is stuck, stop pacing this operation). interrupted:
+        also stop waiting (False, not given up) once it is true; it is checked
+        at each poke() and must not take a lock."""
         if self._may_go(index):  # the common case: no lock
             return True
         with self._cond:
             limit_s = self.max_wait_s if timeout_s is None else timeout_s
-            if self._cond.wait_for(lambda: self._may_go(index), limit_s):
-                return True
+            if interrupted is None:
+                done = self._cond.wait_for(lambda: self._may_go(index), limit_s)
+            else:
+                done = self._cond.wait_for(
+                    lambda: self._may_go(index) or interrupted(), limit_s)
+            if done:
+                return self._may_go(index)
             if timeout_s is None:
                 self._released = True
                 self._cond.notify_all()
             return False
+
+    def poke(self) -> None:
+        """Wake every waiter to check its `interrupted` (a more urgent chunk came)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def handed(self, index: int) -> None:
         """Chunk `index` went to its transport."""
@@ -125,13 +143,16 @@ class Turn:
         self.order, self.index = order, index
         self.waited_s = 0.0  # over every wait() of this turn
 
-    def wait(self, slice_s: float | None = None) -> bool:
+    def wait(self, slice_s: float | None = None,
+             interrupted: Callable[[], bool] | None = None) -> bool:
         """Whether the chunk may go, having waited at most slice_s more (None:
-        until it may). Past max_wait_s in all, the order gives up: True."""
+        until it may, or until `interrupted`, see SendOrder.wait). Past
+        max_wait_s in all, the order gives up: True."""
         order = self.order
         left_s = order.max_wait_s - self.waited_s
         start_s = time.monotonic()
-        if order.wait(self.index, max(0.0, left_s if slice_s is None else min(slice_s, left_s))):
+        if order.wait(self.index, max(0.0, left_s if slice_s is None else min(slice_s, left_s)),
+                      interrupted):
             return True
         self.waited_s += time.monotonic() - start_s
         if self.waited_s < order.max_wait_s:
@@ -147,7 +168,7 @@ class LinkQueue:
     """A link's outbox: get() returns the highest priority first, in put()
     order among equals (priority 0, the common case, is a plain FIFO)."""
 
-    __slots__ = ("_fifo", "_urgent", "_count", "_front", "_cond")
+    __slots__ = ("_fifo", "_urgent", "_count", "_front", "_cond", "top_priority", "waiting")
 
     def __init__(self) -> None:
         self._fifo: deque[Any] = deque()
@@ -155,6 +176,11 @@ class LinkQueue:
         self._count = 0  # breaks ties in put() order
         self._front = 0  # below every count: put back at the head of a priority
         self._cond = threading.Condition(threading.Lock())
+        # The highest priority queued (0 when none is): read without the lock.
+        self.top_priority = 0
+        # (turn, priority) of the chunk the sender waits to send, set by the
+        # sender (link.py): a put of a more urgent chunk pokes its order.
+        self.waiting: tuple[Turn, int] | None = None
 
     def put(self, item: Any, priority: int = 0, front: bool = False) -> None:
         """Queue `item`; front: before the others of its priority (put back)."""
@@ -165,11 +191,15 @@ class LinkQueue:
                 count = self._front if front else self._count
                 heapq.heappush(self._urgent, (-priority, count, item))
                 self._count += 1
+                self.top_priority = -self._urgent[0][0]
             elif front:
                 self._fifo.appendleft(item)
             else:
                 self._fifo.append(item)
             self._cond.notify()
+        waiting = self.waiting  # after top_priority is set: no wake-up is lost
+        if waiting is not None and priority > waiting[1]:
+            waiting[0].order.poke()
 
     def urgent_beyond(self, priority: int) -> bool:
         """Whether an item of a higher priority than `priority` is queued."""
@@ -182,7 +212,9 @@ class LinkQueue:
             while not (self._urgent or self._fifo):
                 self._cond.wait()
             if self._urgent:
-                return heapq.heappop(self._urgent)[2]
+                item = heapq.heappop(self._urgent)[2]
+                self.top_priority = -self._urgent[0][0] if self._urgent else 0
+                return item
             return self._fifo.popleft()
 
     def __len__(self) -> int:
