@@ -12,7 +12,10 @@ to each worker once all N workers' chunk k is in (the rule a daemon answers
 by), echoing each worker its own bytes. No encoding, no summing, no
 protocol: the time left beyond the line-rate bound is the emulated network's
 (TCP's sharing of the links, headers, the pipeline's two ends) and the
-2 cores' scheduling, a floor for what reducerd itself adds.
+2 cores' scheduling, a floor for what reducerd itself adds. Not a strict
+one: each echo server is one Python process whose readers and writers share
+its GIL, and reducerd's daemons, with summing threads and a C header parse,
+came in a little under it at times (docs/benchmarks.md).
 
 Per operation a worker sends a header (`!I` chunk count, then `!I` per chunk:
 its bytes); every worker must send the same one, or the server exits naming
