@@ -29,9 +29,9 @@ puts it back at the head of its priority when a more urgent chunk is queued
 (link.py), so an operation's order never holds back a more urgent one; the
 sender waits for nothing but local progress, so priorities cannot deadlock.
 The waiting sender does not poll for that: the put of a more urgent chunk
-pokes the order it waits on (with 2 ms polls, the senders waiting their
-turns woke 500 times a second each, a large part of a worker's CPU on the
-emulated cluster).
+pokes the order it waits on (2 ms polls woke each waiting sender 500 times a
+second, for nothing unless priorities are in use: 2-6 % of a worker's CPU on
+the emulated cluster).
 """
 
 from __future__ import annotations
