@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["BenchConfig", "SYSTEMS", "REDUCERD_SYSTEMS", "REDUCERD_WIRE_BASELINES",
-           "TCP_FLOOR_SYSTEMS",
+           "TCP_FLOOR_SYSTEMS", "CHUNKED_SYSTEMS",
            "BASELINE_CHOICES", "WIRE_DTYPE_NAMES", "wire_nbytes", "systems_for"]
 
 # --wire-dtype choices: reducer_wire.dtypes.WIRE_DTYPES's names, written out so
@@ -25,6 +25,8 @@ SYSTEMS = ("reducerd", "reducerd-ddp-hook", *REDUCERD_WIRE_BASELINES, "gloo-floa
 # bucket through reducer_client.torch.allreduce_hook (the shim's path), and
 # the core's over each fixed wire dtype.
 REDUCERD_SYSTEMS = ("reducerd", "reducerd-ddp-hook", *REDUCERD_WIRE_BASELINES)
+# The systems that send reducerd's chunks in one of its wire dtypes (wire_dtype_of).
+CHUNKED_SYSTEMS = REDUCERD_SYSTEMS + TCP_FLOOR_SYSTEMS
 # --baselines words -> systems.
 BASELINE_CHOICES = {
     "gloo": ("gloo-float32", "gloo-float16"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from reducerd.bench.config import REDUCERD_SYSTEMS, TCP_FLOOR_SYSTEMS, BenchConfig, wire_nbytes
+from reducerd.bench.config import CHUNKED_SYSTEMS, REDUCERD_SYSTEMS, BenchConfig, wire_nbytes
 
 __all__ = ["aggregate", "theory_bytes_per_node", "daemon_link_bytes", "line_rate_bound_s",
            "time_ratios"]
@@ -30,7 +30,7 @@ MXNET_BIGARRAY_BOUND = 1_000_000
 
 def _model_bytes(system: str, size_bytes: int, config: BenchConfig) -> int:
     """Bytes of one float32 gradient of `size_bytes` in the system's wire dtype."""
-    if system in REDUCERD_SYSTEMS + TCP_FLOOR_SYSTEMS:
+    if system in CHUNKED_SYSTEMS:
         wire = config.wire_dtype_of(system)
     elif system == "mxnet-ps":
         wire = config.mxnet_dtype

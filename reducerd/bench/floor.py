@@ -36,8 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from reducer_wire.framing import TruncatedFrame, recv_exactly
 
 from reducerd.bench.systems import Comm
+from reducerd.config import parse_host_port
 
 __all__ = ["FloorComm", "serve", "serve_on", "LISTENING"]
 
@@ -46,26 +48,21 @@ _NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 _COUNT = struct.Struct("!I")
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("the peer closed the connection mid-operation")
-        got += n
-
-
 def _recv_header(sock: socket.socket) -> list[int] | None:
     """The next operation's chunk sizes; None when the worker closed between operations."""
     head = bytearray(_COUNT.size)
-    first = sock.recv_into(head)
-    if first == 0:
+    if not recv_exactly(sock, memoryview(head)):
         return None
-    _recv_into(sock, memoryview(head)[first:])
     (count,) = _COUNT.unpack(head)
     sizes = bytearray(4 * count)
-    _recv_into(sock, memoryview(sizes))
+    _recv_all(sock, memoryview(sizes))
     return list(struct.unpack(f"!{count}I", sizes))
+
+
+def _recv_all(sock: socket.socket, view: memoryview) -> None:
+    """recv_exactly, where the end of the stream is an error however early."""
+    if not recv_exactly(sock, view) and len(view):
+        raise TruncatedFrame(f"connection ended before {len(view)} expected bytes")
 
 
 class _Round:
@@ -83,7 +80,7 @@ class _Round:
         writer.start()
         view = memoryview(buf)
         for k in range(len(self.sizes)):
-            _recv_into(sock, view[ends[k]:ends[k + 1]])
+            _recv_all(sock, view[ends[k]:ends[k + 1]])
             with self.cond:
                 self.arrived[k] += 1
                 self.cond.notify_all()
@@ -102,8 +99,8 @@ class _Round:
 
 def serve(listen: str, workers: int) -> None:
     """Listen on `listen`, say where on stderr, then serve_on()."""
-    host, _, port = listen.rpartition(":")
-    server = socket.create_server((host, int(port)), backlog=workers)
+    host, port = parse_host_port(listen, "--listen")
+    server = socket.create_server((host, port), backlog=workers)
     print(f"{LISTENING} {host}:{server.getsockname()[1]}", file=sys.stderr, flush=True)
     serve_on(server, workers)
 
@@ -142,7 +139,8 @@ class FloorComm(Comm):
         from reducer_client.transport.tcp import NOTSENT_LOWAT_BYTES
 
         self.spec, self.rank = spec, spec["rank"]
-        self.conns = [socket.create_connection(_split(a), timeout=spec["stall_timeout_s"])
+        self.conns = [socket.create_connection(parse_host_port(a, "daemon host"),
+                                               timeout=spec["stall_timeout_s"])
                       for a in spec["addresses"]]
         for conn in self.conns:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -162,17 +160,18 @@ class FloorComm(Comm):
         # (daemon, start, end) of each chunk in the layout's order, which is the
         # order one sender hands them to their sockets (as reducerd's links keep in step).
         self.order: list[tuple[int, int, int]] = []
+        ends = [0] * daemons
         for chunk in plan_wire_chunks(numel, dtype, daemons, chunk_bytes, f"bench/{numel}"):
-            start = sum(self.sizes[chunk.daemon])
-            self.sizes[chunk.daemon].append(dtypes.wire_nbytes(dtype, chunk.numel))
-            self.order.append((chunk.daemon, start, start + self.sizes[chunk.daemon][-1]))
+            nbytes = dtypes.wire_nbytes(dtype, chunk.numel)
+            self.sizes[chunk.daemon].append(nbytes)
+            self.order.append((chunk.daemon, ends[chunk.daemon], ends[chunk.daemon] + nbytes))
+            ends[chunk.daemon] += nbytes
         rng = np.random.default_rng(self.rank)
-        self.sent = [rng.integers(0, 256, sum(s), dtype=np.uint8) for s in self.sizes]
+        self.sent = [rng.integers(0, 256, end, dtype=np.uint8) for end in ends]
         self.back = [np.empty_like(s) for s in self.sent]
-        self.numel = numel
 
     def run(self) -> None:
-        receives = [self.pool.submit(_recv_into, conn, back.data)
+        receives = [self.pool.submit(_recv_all, conn, back.data)
                     for conn, back in zip(self.conns, self.back, strict=True)]
         for conn, sizes in zip(self.conns, self.sizes, strict=True):
             conn.sendall(_COUNT.pack(len(sizes)) + struct.pack(f"!{len(sizes)}I", *sizes))
@@ -189,29 +188,20 @@ class FloorComm(Comm):
                 raise AssertionError(f"{label}: daemon host {daemon} echoed byte {first} "
                                      f"as {back[first]}, sent {out[first]}")
 
-    def refill(self) -> None:
-        return None
-
     def result(self) -> np.ndarray:
         raise NotImplementedError("tcp-floor carries bytes, not sums: see check()")
 
     def barrier(self) -> None:
-        # An operation of no chunks: every server reads the headers of all, answers none.
-        # The barrier must block until all ranks reached it, so it rides on one byte.
+        # An operation of one 1-byte chunk: no server echoes it before every rank sent it.
         for conn in self.conns:
             conn.sendall(_COUNT.pack(1) + struct.pack("!I", 1) + b"\0")
         for conn in self.conns:
-            _recv_into(conn, memoryview(bytearray(1)))
+            _recv_all(conn, memoryview(bytearray(1)))
 
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
         self.pool.shutdown()
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reducerd.bench.config import (
+    CHUNKED_SYSTEMS,
     REDUCERD_SYSTEMS,
     REDUCERD_WIRE_BASELINES,
     TCP_FLOOR_SYSTEMS,
@@ -69,7 +70,7 @@ def _port(system: str, host: Host) -> int:
 def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extra) -> str:
     # A reducerd system's own wire dtype: what its client sends and its check allows.
     wire_dtype = config.wire_dtype_of(system) \
-        if system in REDUCERD_SYSTEMS + TCP_FLOOR_SYSTEMS else config.wire_dtype
+        if system in CHUNKED_SYSTEMS else config.wire_dtype
     return json.dumps({
         "system": system, "rank": rank, "world_size": config.workers,
         "sizes_bytes": list(config.sizes_bytes), "iters": config.iters,

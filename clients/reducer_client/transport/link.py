@@ -356,12 +356,9 @@ def _await_turn(outbox: LinkQueue, turn: Turn, priority: int) -> bool:
     """Wait for the turn; False as soon as a chunk more urgent than this one
     (of `priority`) is queued behind it, which should go first (its put
     pokes the turn's order: order.LinkQueue)."""
-    def urgent() -> bool:
-        return outbox.top_priority > priority
-
     outbox.waiting = (turn, priority)
     try:
-        while not turn.wait(interrupted=urgent):
+        while not turn.wait(interrupted=lambda: outbox.urgent_beyond(priority)):
             if outbox.urgent_beyond(priority):
                 return False
         return True

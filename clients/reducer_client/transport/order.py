@@ -99,12 +99,8 @@ class SendOrder:
             return True
         with self._cond:
             limit_s = self.max_wait_s if timeout_s is None else timeout_s
-            if interrupted is None:
-                done = self._cond.wait_for(lambda: self._may_go(index), limit_s)
-            else:
-                done = self._cond.wait_for(
-                    lambda: self._may_go(index) or interrupted(), limit_s)
-            if done:
+            if self._cond.wait_for(lambda: self._may_go(index)
+                                   or (interrupted is not None and interrupted()), limit_s):
                 return self._may_go(index)
             if timeout_s is None:
                 self._released = True
@@ -202,9 +198,8 @@ class LinkQueue:
             waiting[0].order.poke()
 
     def urgent_beyond(self, priority: int) -> bool:
-        """Whether an item of a higher priority than `priority` is queued."""
-        with self._cond:
-            return bool(self._urgent) and -self._urgent[0][0] > priority
+        """Whether an item of a higher priority than `priority` is queued (no lock)."""
+        return self.top_priority > priority
 
     def get(self) -> Any:
         """The next item, waiting for one."""
