@@ -1,5 +1,9 @@
 """One data-plane connection: its reader thread (handshake, then frames) and writer thread.
 
+Replies go out from the loop thread itself where the socket takes them at
+once, else from the writer thread (reducerd.outbox: direct sends); over TLS
+from the writer thread always.
+
 Bounds kept here (reducerd.dataplane has the plane-wide ones):
 - the handshake (TLS, preface, HELLO) ends within the handshake timeout of the
   accept: a deadline, checked at every receive (the socket gets a receive tick
@@ -135,6 +139,8 @@ class Connection:
                 else:
                     self.sock.close()
                 return
+            if self.io is self.sock:  # over TLS only the writer thread writes
+                self.outbox.direct = self.sock
             plane.call(plane.session.open_stream, self.stream)
             threading.Thread(target=self._write, daemon=True,
                              name=f"reducerd-data-write-{self.stream.peer}").start()
@@ -318,7 +324,7 @@ class Connection:
     def _write(self) -> None:
         try:
             while True:
-                item = self.outbox.get()
+                item, already_sent = self.outbox.take()
                 if item is GONE:
                     break
                 if item is END:
@@ -327,7 +333,9 @@ class Connection:
                 if isinstance(item, tuple):
                     self.io.sendall(status_frame(*item))
                     break
-                self.io.sendall(item.frame)  # frame header and message: one buffer
+                # Frame header and message: one buffer (its start may have gone
+                # out already, sent directly by the loop: reducerd.outbox).
+                self.io.sendall(item.frame[already_sent:])
                 self.outbox.sent(item)
                 del item  # a sent reply is not kept while waiting for the next one
         except OSError as exc:  # broken, or no progress for the send timeout

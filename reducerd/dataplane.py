@@ -4,12 +4,13 @@ Each connection is a Stream of the Session, like a Reduce call: the shards
 go through the same checks and table, replies and in-band errors are the same
 messages. Only the I/O differs: a reader thread per connection receives each
 frame straight into a fresh buffer (recv_into, no copy) and hands the shard
-to the event loop thread, which alone touches the table; a writer thread per
-connection sends what the loop puts into the stream's outbox: each reply's
-frame, one buffer that the result was narrowed into (reducerd.replies), in
-one send. Socket calls release the GIL, so receiving and sending run beside
-the sums, and no per-byte work happens in Python. Under TLS (the daemon's
---tls-cert) the same runs over reducer_wire.tls.TlsChannel.
+to the event loop thread, which alone touches the table. Each reply's frame
+is one buffer that the result was narrowed into (reducerd.replies); the loop
+sends it itself where the socket takes it at once without blocking, else the
+connection's writer thread sends the rest (reducerd.outbox). Socket calls
+release the GIL, so receiving and sending run beside the sums, and no
+per-byte work happens in Python. Under TLS (the daemon's --tls-cert) the
+same runs over reducer_wire.tls.TlsChannel.
 
 Bounds, so that no client can hold the daemon's memory or threads for ever
 (the per-connection ones in reducerd.dataconn):

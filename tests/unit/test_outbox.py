@@ -1,12 +1,13 @@
 """reducerd.outbox: unsent replies counted per stream and in the daemon's memory budget."""
 
 import asyncio
+import socket
 import threading
 import time
 
 from reducerd.limits import MemoryBudget
 from reducerd.outbox import AsyncOutbox, ThreadOutbox, reply_nbytes
-from reducerd.replies import error_reply
+from reducerd.replies import Reply, error_reply
 from reducerd.session import END
 
 
@@ -58,3 +59,74 @@ def test_thread_outbox_waits_below_frames_and_bytes():
     assert time.monotonic() - start < 2 and budget.transport_bytes == 200
     outbox.discard()
     assert budget.transport_bytes == 0
+
+
+def _reply(fill: bytes, nbytes: int) -> Reply:
+    frame = memoryview(fill * nbytes)
+    return Reply(frame=frame, payload=frame[:0], held_bytes=nbytes)
+
+
+def _receive(sock: socket.socket, nbytes: int) -> bytes:
+    sock.settimeout(5)
+    chunks, got = [], 0
+    while got < nbytes:
+        chunk = sock.recv(nbytes - got)
+        assert chunk, f"peer closed after {got} of {nbytes} bytes"
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def test_a_reply_the_socket_takes_at_once_goes_out_from_the_putting_thread():
+    budget = MemoryBudget(1 << 20)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        outbox = ThreadOutbox(budget, direct=ours)
+        outbox.put_nowait(_reply(b"a", 1000))  # no writer thread exists at all
+        assert _receive(peer, 1000) == b"a" * 1000
+        assert outbox.unsent_bytes == 0 and budget.transport_bytes == 0
+        assert outbox.wait_below(frames=1, nbytes=1, timeout_s=0)  # nothing queued
+        outbox.put_nowait(END)  # the last items are the writer's: they end the stream
+        assert outbox.take() == (END, 0)
+
+
+def test_what_a_direct_send_leaves_goes_first_through_the_writer_in_order():
+    budget = MemoryBudget(64 << 20)
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        outbox = ThreadOutbox(budget, direct=ours)
+        big, after = _reply(b"b", 4 << 20), _reply(b"c", 100)
+        outbox.put_nowait(big)  # more than the socket holds: part of it waits
+        outbox.put_nowait(after)  # behind the part-sent one, not beside it
+        assert outbox.unsent_bytes == len(big.frame) + 100
+        item, already_sent = outbox.take()
+        assert item is big and 0 < already_sent < len(big.frame)
+        outbox.put_nowait(_reply(b"d", 10))  # the writer holds one: no direct send now
+        received = []
+        reader = threading.Thread(target=lambda: received.append(
+            _receive(peer, len(big.frame) + 110)))
+        reader.start()
+        ours.sendall(big.frame[already_sent:])
+        outbox.sent(big)
+        for expected in (after, None):
+            item, already_sent = outbox.take()
+            assert already_sent == 0 and (expected is None or item is expected)
+            ours.sendall(item.frame)
+            outbox.sent(item)
+        reader.join(10)
+        assert received == [b"b" * (4 << 20) + b"c" * 100 + b"d" * 10]
+        assert outbox.unsent_bytes == 0 and budget.transport_bytes == 0
+
+
+def test_without_a_direct_socket_or_on_a_broken_one_the_writer_sends_everything():
+    over_tls = ThreadOutbox()
+    reply = _reply(b"e", 10)
+    over_tls.put_nowait(reply)
+    assert over_tls.take() == (reply, 0) and over_tls.unsent_bytes == 10
+    ours, peer = socket.socketpair()
+    with ours:
+        peer.close()
+        broken = ThreadOutbox(direct=ours)
+        broken.put_nowait(reply)  # no error here: the writer's send meets it
+        assert broken.take() == (reply, 0) and broken.unsent_bytes == 10
