@@ -115,13 +115,13 @@ class Connection:
         self.sock = sock
         self.io: Any = sock  # the socket, or its TlsChannel
         self.accepted_s = time.monotonic()
-        self.outbox = ThreadOutbox(plane.budget)
+        self.outbox = ThreadOutbox(plane.budget, start_writer=self._start_writer)
         self.stream = Stream(f"tcp:{peer}", inband_errors=True, outbox=self.outbox,
                              frames=True)
         self.credit = Credit(QUEUED_FRAMES)
         self.reader_done = threading.Event()
         self.writer_done = threading.Event()
-        self.registered = False  # a Stream of the session, with a writer thread
+        self.registered = False  # a Stream of the session (its writer starts on need)
 
     def serve(self) -> None:
         plane, limits = self.plane, self.plane.limits
@@ -142,8 +142,6 @@ class Connection:
             if self.io is self.sock:  # over TLS only the writer thread writes
                 self.outbox.direct = self.sock
             plane.call(plane.session.open_stream, self.stream)
-            threading.Thread(target=self._write, daemon=True,
-                             name=f"reducerd-data-write-{self.stream.peer}").start()
             self._read_shards()
         except OSError as exc:
             log.debug("data connection %s broke: %r", self.stream.peer, exc)
@@ -320,6 +318,12 @@ class Connection:
             self.plane.budget.give_transport(length)
 
     # -- the writer thread ---------------------------------------------------
+
+    def _start_writer(self) -> None:
+        """Once the outbox first holds what must wait for a writer (see
+        ThreadOutbox): a registered connection's replies, then its end."""
+        threading.Thread(target=self._write, daemon=True,
+                         name=f"reducerd-data-write-{self.stream.peer}").start()
 
     def _write(self) -> None:
         try:

@@ -20,7 +20,8 @@ putting thread (the loop) with one non-blocking send, and only what the
 socket did not take, if anything, waits for the writer. Waking a writer
 thread for every reply cost the loop about a tenth of its time (the
 Condition's notify) and every reply a thread switch; with hundreds of
-contributors, one per contributor per chunk.
+contributors, one per contributor per chunk. A connection starts its writer
+thread only once something has to wait for it (a part-sent reply, the end).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import heapq
 import socket
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from reducerd.limits import MemoryBudget
@@ -145,12 +147,17 @@ class ThreadOutbox(_Counted):
     direct: the connection's plain socket (None over TLS, where only the
     writer thread may write): replies that can go out at once are sent by
     put_nowait itself, without blocking (see the module's docstring).
+    start_writer: called (under the outbox's lock) the first time an item
+    waits for the writer, which is when a connection needs its writer thread:
+    one whose replies all go out directly never starts one.
     """
 
     def __init__(self, budget: MemoryBudget | None = None,
-                 direct: socket.socket | None = None) -> None:
+                 direct: socket.socket | None = None,
+                 start_writer: Callable[[], None] | None = None) -> None:
         super().__init__(budget)
         self.direct = direct
+        self._start_writer = start_writer
         self._items = _Ordered()
         # A reply that a direct send left part-sent: (reply, bytes already
         # sent). The writer sends the rest before anything else.
@@ -177,7 +184,10 @@ class ThreadOutbox(_Counted):
                 self._head = (item, sent)
             else:
                 self._items.push(item, priority)
-            if self._waiting:
+            if self._start_writer is not None:
+                start, self._start_writer = self._start_writer, None
+                start()
+            elif self._waiting:
                 self._cond.notify_all()
 
     def _can_send_directly(self, item: Any) -> bool:

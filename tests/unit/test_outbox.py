@@ -130,3 +130,16 @@ def test_without_a_direct_socket_or_on_a_broken_one_the_writer_sends_everything(
         broken = ThreadOutbox(direct=ours)
         broken.put_nowait(reply)  # no error here: the writer's send meets it
         assert broken.take() == (reply, 0) and broken.unsent_bytes == 10
+
+
+def test_the_writer_starts_only_once_something_waits_for_it():
+    starts = []
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        outbox = ThreadOutbox(direct=ours, start_writer=lambda: starts.append(1))
+        for _ in range(3):
+            outbox.put_nowait(_reply(b"f", 100))  # all sent directly
+        assert _receive(peer, 300) == b"f" * 300 and starts == []
+        outbox.put_nowait(END)
+        outbox.put_nowait(_reply(b"g", 100))  # queued behind the end: no second start
+        assert starts == [1] and outbox.take() == (END, 0)
