@@ -208,3 +208,51 @@ def test_tiny_loopback_run_every_system(tmp_path: Path):
         assert system in done.stdout  # the tables
     assert "1 node against 2 nodes" in done.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_eight_bit_first_step_bound_holds_and_is_not_vacuous(wire: str, world_size: int):
+    """The training bench's 8-bit bound against one step done with the wire's own
+    rounding: every rank's gradient quantized, summed in float32, divided,
+    the mean quantized once, then p - lr g in float32."""
+    import numpy as np
+    from reducer_wire import convert, dtypes
+
+    from reducerd.bench.train.modeled import eight_bit_error_bound
+
+    rng = np.random.default_rng(world_size)
+    numel, lr, code = 4096, 0.01, dtypes.WIRE_DTYPES[wire]
+    p0 = rng.normal(0, 0.05, numel)
+    c = rng.normal(0, 0.02, numel) * np.repeat(10.0 ** rng.uniform(-3, 0, numel // 64), 64)
+    grads = [p0 - (r + 1) * c for r in range(world_size)]  # the bench's quadratic loss
+    total = np.zeros(numel, np.float32)
+    for g in grads:
+        decoded = np.empty(numel, np.float32)
+        convert.from_wire(convert.to_wire(g.astype(np.float32), code), code, decoded)
+        total += decoded
+    mean = np.empty(numel, np.float32)
+    convert.from_wire(convert.to_wire(total / np.float32(world_size), code), code, mean)
+    got = p0.astype(np.float32) - np.float32(lr) * mean
+    reference = p0 - lr * np.mean(grads, axis=0)
+    largest = np.max(np.abs(grads), axis=0)
+    bound = eight_bit_error_bound(reference, largest, lr, world_size, wire, float(largest.max()))
+    ratio = np.abs(got - reference) / bound
+    assert ratio.max() <= 1
+    assert ratio.max() > 0.05  # a bound 20 times too loose would check nothing
+
+
+@pytest.mark.timeout(120)
+def test_tiny_run_on_the_int8_wire_lands_within_its_bound(tmp_path: Path):
+    """The 8-bit wires train too (issue 20), every reducerd system's first step
+    checked against int8's bound, the DistributedOptimizer's flags included."""
+    out = tmp_path / "train.json"
+    done = _run_bench("--train", "tiny", "--workers", "2", "--systems",
+                      "reducerd-ddp,reducerd-optimizer", "--wire-dtype", "int8", "--steps", "2",
+                      "--warmup", "1", "--comm-steps", "1", "--byte-scale", "1", "--json",
+                      str(out), "--stall-timeout", "60")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["failed"] == {} and data["config"]["wire_dtype"] == "int8"
+    for result in data["results"]:
+        assert 0 < result["max_error_over_bound"] <= 1, result

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from reducer_wire import dtypes
 
 from reducer_client.api import Reducer
 from reducer_client.torch._basics import next_index, resolve
@@ -43,12 +44,18 @@ __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES"]
 
 # DDP's default bucket_cap_mb.
 DEFAULT_BUCKET_BYTES = 25 << 20
+# The largest block of any wire dtype (int8's): a bucket's flags start on one.
+_FLAG_ALIGN = max(dtypes.wire_block(value) for value in dtypes.WIRE_DTYPES.values())
 
 class _Bucket:
     """Parameters reduced together as one flat tensor under one key.
 
-    The flat tensor holds the gradients, then one presence flag per
-    parameter (1 where this rank had a gradient). It is allocated at the
+    The flat tensor holds the gradients, zeros up to the next whole int8
+    block, then one presence flag per parameter (1 where this rank had a
+    gradient). The flags start a block of their own so that int8's scale
+    per block (reducer_wire.quant) never covers a flag and a gradient
+    together: a flag's 1 would set the scale of the bucket's last gradients,
+    often 1000 times smaller, and round them away. It is allocated at the
     first step and reduced into itself on CPU (through its key's pinned host
     buffer on CUDA), so later steps allocate nothing for the reduction.
     """
@@ -58,6 +65,7 @@ class _Bucket:
         self.numels = [p.numel() for p in params]
         self.offsets = list(itertools.accumulate(self.numels, initial=0))[:-1]
         self.numel = sum(self.numels)
+        self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
         self.flat: torch.Tensor | None = None
         # Step state, guarded by _GradientReducer._lock.
         self.ready = 0
@@ -68,11 +76,12 @@ class _Bucket:
         """Copy the gradients (zeros where missing) and presence flags into the flat tensor."""
         first = self.params[0]
         if self.flat is None:
-            self.flat = torch.empty(self.numel + len(self.params), device=first.device,
+            self.flat = torch.empty(self.flags_at + len(self.params), device=first.device,
                                     dtype=flat_dtype(first.dtype))
         # Device-side fills only: a host-to-device copy of the flags would
         # wait for the stream and so for the rest of backward.
-        flags = self.flat[self.numel:]
+        self.flat[self.numel:self.flags_at].zero_()
+        flags = self.flat[self.flags_at:]
         flags.fill_(1.0)
         for index, (param, name, offset, numel) in enumerate(zip(
                 self.params, self.names, self.offsets, self.numels, strict=True)):
@@ -90,7 +99,7 @@ class _Bucket:
     def write_back(self, result: np.ndarray) -> None:
         """Set each parameter's .grad from the reduced flat tensor (already in self.flat)."""
         assert self.flat is not None
-        present = result[self.numel:] > 0  # read on the host: no device sync
+        present = result[self.flags_at:] > 0  # read on the host: no device sync
         for param, offset, numel, had_grad in zip(self.params, self.offsets, self.numels,
                                                   present, strict=True):
             if not had_grad:

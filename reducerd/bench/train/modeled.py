@@ -27,7 +27,7 @@ from reducerd.bench.train.config import scaled_numel
 from reducerd.bench.train.specs import ModelSpec
 
 __all__ = ["ComputeClock", "ModeledLayer", "ModeledModel", "build_model", "reference_step",
-           "error_bound"]
+           "error_bound", "eight_bit_error_bound"]
 
 _INIT_STD = 0.02  # BERT's initializer range; the values only need to be deterministic
 _SEED = 1234
@@ -178,7 +178,8 @@ def reference_step(model: ModeledModel, world_size: int, lr: float,
 
 def error_bound(reference: np.ndarray, largest_grad: np.ndarray, lr: float, world_size: int,
                 wire_unit_roundoff: float) -> np.ndarray:
-    """Elementwise bound on |parameter after one step - float64 reference|.
+    """Elementwise bound on |parameter after one step - float64 reference|
+    for a 16- or 32-bit wire.
 
     The averaged gradient: each rank's gradient rounded to the wire dtype, at
     most world_size roundings of partial sums (Gloo's float16 ring adds in
@@ -186,6 +187,42 @@ def error_bound(reference: np.ndarray, largest_grad: np.ndarray, lr: float, worl
     (world_size + 2) unit roundoffs of the largest rank gradient. Then the
     float32 update p - lr g: one rounding of lr g and one of the result.
     """
+    return _after_update(reference, largest_grad, lr,
+                         (world_size + 2) * wire_unit_roundoff * largest_grad)
+
+
+# FP8's relative rounding (half an ulp of 1) and its subnormals' spacing.
+_FP8_UNIT = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -9), "fp8_e5m2": (2.0 ** -3, 2.0 ** -16)}
+
+
+def eight_bit_error_bound(reference: np.ndarray, largest_grad: np.ndarray, lr: float,
+                          world_size: int, wire: str, largest_anywhere: float) -> np.ndarray:
+    """The same for an 8-bit wire: reducer_wire.quant.ERROR_BOUND_DOC's MEAN
+    bound (docs/wire-8bit.md) with every rank's gradient at most
+    `largest_grad` in size here, and at most `largest_anywhere` (over every
+    tensor and rank) in any int8 block, which may span tensors. Coarser than
+    the per-block bound that tests/integration/test_quant_wire.py checks,
+    and like it independent of the worker count but for float32's own
+    rounding of the sum (g)."""
     f32 = 2.0 ** -24
-    return (lr * (world_size + 2) * wire_unit_roundoff * largest_grad
-            + 2 * f32 * (np.abs(reference) + lr * largest_grad) + 1e-30)
+    g = (world_size - 1) * f32 / (1 - (world_size - 1) * f32)
+    if wire == "int8":
+        e_in: np.ndarray | float = largest_anywhere / 254 * (1 + 2.0 ** -14) + 2.0 ** -142
+        result_max = (largest_anywhere + e_in) * (1 + g) * (1 + f32)
+        e_out: np.ndarray | float = result_max / 254 * (1 + 2.0 ** -14) + 2.0 ** -142
+    elif wire in _FP8_UNIT:
+        u, a = _FP8_UNIT[wire]
+        e_in = u * largest_grad + a / 2
+        e_out = u * (largest_grad + e_in) * (1 + g) * (1 + f32) + a / 2
+    else:
+        raise ValueError(f"{wire!r} is not an 8-bit wire dtype")
+    mean = e_in + (g + f32 * (1 + g)) * (largest_grad + e_in) + e_out
+    return _after_update(reference, largest_grad, lr, mean)
+
+
+def _after_update(reference: np.ndarray, largest_grad: np.ndarray, lr: float,
+                  mean_error: np.ndarray | float) -> np.ndarray:
+    """The averaged gradient's error through the float32 update p - lr g."""
+    f32 = 2.0 ** -24
+    return (lr * mean_error
+            + 2 * f32 * (np.abs(reference) + lr * (largest_grad + mean_error)) + 1e-30)

@@ -3,7 +3,8 @@
 For each system in turn, builds the modeled model and the system's trainer,
 then:
 1. one step, checked against the float64 reference (every parameter within
-   the bound for the system's wire dtype), then the rest of the warm-up;
+   the bound for the system's wire dtype; an 8-bit wire's error feedback
+   holds nothing yet at the first step), then the rest of the warm-up;
 2. `steps` timed steps with modeled compute;
 3. `comm_steps` steps with the compute waits off: communication alone.
 
@@ -42,14 +43,18 @@ def wire_of(spec: dict[str, Any]) -> str:
 
 
 def _check_first_step(model, reference, largest, spec: dict[str, Any]) -> dict[str, float]:
-    from reducerd.bench.train.modeled import error_bound
+    from reducerd.bench.train.modeled import eight_bit_error_bound, error_bound
 
     worst_ratio, worst_abs = 0.0, 0.0
     params = [p for layer in model.modeled_layers() for p in layer.parameters(recurse=False)]
+    wire, lr, world = wire_of(spec), spec["lr"], spec["world_size"]
+    largest_anywhere = max(float(np.max(big)) for big in largest)
     for param, ref, big in zip(params, reference, largest, strict=True):
         got = param.detach().double().numpy().ravel()
-        bound = error_bound(ref, big, spec["lr"], spec["world_size"],
-                            UNIT_ROUNDOFF[wire_of(spec)])
+        if wire in UNIT_ROUNDOFF:
+            bound = error_bound(ref, big, lr, world, UNIT_ROUNDOFF[wire])
+        else:
+            bound = eight_bit_error_bound(ref, big, lr, world, wire, largest_anywhere)
         error = np.abs(got - ref)
         worst_ratio = max(worst_ratio, float(np.max(error / bound)))
         worst_abs = max(worst_abs, float(np.max(error)))
