@@ -273,3 +273,40 @@ def test_a_connection_that_never_says_hello_is_closed(daemon):
         start = time.monotonic()
         assert sock.recv(1 << 16) == b""  # closed by the daemon, not by us
         assert time.monotonic() - start < 15  # the 10 s handshake timeout
+
+
+def test_chunks_sent_directly_and_their_rests_arrive_whole(daemon_big):
+    """A chunk whose link's sender is idle leaves from the caller's thread in one
+    non-blocking send (transport/base.py: direct sends); what the socket does
+    not take (a 4 MiB chunk against TCP_NOTSENT_LOWAT's 128 KiB) goes first
+    through the sender. Sums stay exact either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    world = 2
+
+    def rank(r: int) -> tuple[list[np.ndarray], int, int]:
+        with ReducerClient([daemon_big.address], job="direct", rank=r, world_size=world,
+                           wire_dtype="float32", data_plane="tcp", chunk_bytes=4 << 20,
+                           timeout=30) as client:
+            results = [client.allreduce(np.full(1001, r + i, np.float32), f"small-{i}", "sum")
+                       for i in range(20)]
+            big = np.arange(1 << 20, dtype=np.float32) * (r + 1)
+            results += [client.allreduce(big, "big", "sum") for _ in range(3)]
+            link = client._links[0]
+            return results, link.direct_sends, link.direct_rests
+
+    with ThreadPoolExecutor(world) as pool:
+        outcomes = list(pool.map(rank, range(world)))
+    expected = [np.full(1001, 2 * i + 1, np.float32) for i in range(20)]
+    expected += [np.arange(1 << 20, dtype=np.float32) * 3] * 3
+    for results, sends, rests in outcomes:
+        for got, want in zip(results, expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert sends >= 10 and rests >= 1, (sends, rests)
+
+
+@pytest.fixture
+def daemon_big(tmp_path):
+    d = start_daemon("--round-timeout", "10", log_dir=tmp_path)
+    yield d
+    d.stop()

@@ -191,3 +191,19 @@ def test_a_sender_waiting_its_turn_sleeps_until_an_urgent_chunk_comes():
         assert held.taken == [99, 1] and not order.released
     finally:
         link.close()
+
+
+def test_a_link_queue_is_idle_only_while_its_taker_waits_with_nothing_queued():
+    outbox = LinkQueue()
+    assert not outbox.idle()  # no taker yet
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(outbox.get()))
+    taker.start()
+    deadline = time.monotonic() + 5
+    while not outbox.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert outbox.idle()
+    outbox.put("item")
+    assert not outbox.idle()  # queued, or taken: the taker has work
+    taker.join(5)
+    assert taken == ["item"] and not outbox.idle()

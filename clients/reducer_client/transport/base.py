@@ -20,6 +20,15 @@ stays valid until the transport asks for the next one: by then it must have
 sent or copied it, for the link recycles the buffer once nobody can resend it.
 A reply (its `data` view) is valid until the transport is asked for the next.
 
+Direct sends (optional, the TCP data plane's): a stream (what open() returns)
+with `can_send_now` true offers send_now(item), which the link calls from its
+caller's thread while the stream's sender waits for work with nothing queued
+(order.LinkQueue.idle): the frame goes out with one non-blocking send, and
+what the socket did not take comes back (a view, empty if nothing is left),
+which the link queues first: the stream knows that item for the rest of its
+own frame and sends it as it is. A chunk the socket takes at once thus costs
+no hand-off to the sender thread.
+
 Errors: a transport raises only TransportError (with a gRPC status code), from
 open() or while its replies are iterated; iteration ends without error when
 the daemon ends the stream with OK.

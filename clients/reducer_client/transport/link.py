@@ -60,6 +60,13 @@ _CLOSE = object()
 _FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
 
 
+class _Resume(NamedTuple):
+    """In an outbox: what a direct send of `message` left, sent before anything."""
+
+    message: Message
+    rest: memoryview
+
+
 class _Pending(NamedTuple):
     handler: ReplyHandler
     message: Message
@@ -114,7 +121,7 @@ class DaemonLink:
         self._warned: set[str] = set()  # transports whose fallback was logged
         # Why the last stream failed, or None once a reply came back since.
         self.last_error: ReducerError | None = None
-        # _lock guards _pending, _history, _outbox, _retries, _alive_s,
+        # _lock guards _pending, _history, _outbox, _direct, _retries, _alive_s,
         # _streams_opened, _closed and Message.queued; taken by callers of
         # send(), the reader thread and the transports' sender threads.
         # Handlers run outside it.
@@ -127,6 +134,11 @@ class DaemonLink:
         self._alive_s = time.monotonic()  # when the daemon last answered
         self._closed = False
         self._closing = threading.Event()  # cuts a backoff short at close()
+        # The current stream where it takes direct sends (base.py), with its
+        # outbox: valid while that is still self._outbox.
+        self._direct: tuple[LinkQueue, Any] | None = None
+        # Chunks sent directly, and how many of them left a rest (diagnostics).
+        self.direct_sends = self.direct_rests = 0
 
     @property
     def reconnects(self) -> int:
@@ -163,6 +175,8 @@ class DaemonLink:
                 self._open_stream()
             assert self._outbox is not None
             self._pending[key] = _Pending(handler, message, deadline_s)
+            if turn is None and self._send_now(self._outbox, message):
+                return
             self._put(self._outbox, message, turn, priority)
 
     def forget(self, keys: Iterable[PendingKey]) -> None:
@@ -191,6 +205,21 @@ class DaemonLink:
         message.queued += 1
         outbox.put(message if turn is None else (message, turn, priority), priority)
 
+    def _send_now(self, outbox: LinkQueue, message: Message) -> bool:
+        """Send `message` from this thread if the stream allows (base.py:
+        direct sends) and its sender is idle; what the socket did not take
+        goes first to the sender. Whether it did (caller holds _lock)."""
+        direct = self._direct
+        if direct is None or direct[0] is not outbox or not outbox.idle():
+            return False
+        rest = direct[1].send_now(message.frame)
+        self.direct_sends += 1
+        if rest:
+            self.direct_rests += 1
+            message.queued += 1
+            outbox.put(_Resume(message, rest), front=True)
+        return True
+
     def _drain(self, outbox: LinkQueue) -> Iterator[memoryview]:
         """The requests of one stream, on the transport's sender thread. Asking
         for the next item means the transport is done with the previous one
@@ -207,8 +236,12 @@ class DaemonLink:
             item = outbox.get()
             if item is _CLOSE:
                 return
+            if isinstance(item, _Resume):  # the rest of a direct send
+                previous = item.message
+                yield item.rest
+                continue
             if isinstance(item, tuple):
-                if not _await_turn(outbox, item[1], item[2]):
+                if not outbox.await_turn(item[1], item[2]):
                     outbox.put(item, item[2], front=True)  # a more urgent one goes first
                     continue
                 item, turn, _ = item
@@ -231,9 +264,10 @@ class DaemonLink:
         threading.Thread(target=self._read, args=(outbox,), daemon=True,
                          name=f"reducer-link-{self.address}").start()
 
-    def _open_replies(self, requests: Iterator[memoryview]) -> Iterable[ShardView]:
-        """Start a stream of `requests` on the first transport that reaches the
-        daemon; its replies. Runs on the reader thread: this blocks."""
+    def _open_replies(self, requests: Iterator[memoryview], outbox: LinkQueue,
+                      ) -> Iterable[ShardView]:
+        """Start a stream of `requests` (outbox's) on the first transport that
+        reaches the daemon; its replies. Runs on the reader thread: this blocks."""
         daemon = self._control.brief_status()
         if daemon.round_timeout_s:
             with self._lock:
@@ -251,13 +285,17 @@ class DaemonLink:
                                 self._transports[index + 1].label)
                 continue
             self.transport = transport.name
+            if getattr(replies, "can_send_now", False):
+                with self._lock:
+                    if self._outbox is outbox:
+                        self._direct = (outbox, replies)
             return replies
         raise AssertionError("unreachable: the last transport returned or raised")
 
     def _read(self, outbox: LinkQueue) -> None:
         error: ReducerError | None = None
         try:
-            for reply in self._open_replies(self._drain(outbox)):
+            for reply in self._open_replies(self._drain(outbox), outbox):
                 self._deliver(reply)
         except TransportError as exc:
             error = stream_error(exc.code, f"daemon {self.address}: {exc.details}")
@@ -294,7 +332,7 @@ class DaemonLink:
         retryable = error is None or error.retryable
         with self._lock:
             if self._outbox is outbox:
-                self._outbox = None
+                self._outbox, self._direct = None, None
                 outbox.put(_CLOSE)
             if not self._pending:
                 return
@@ -350,20 +388,6 @@ class DaemonLink:
                             len(self._pending), len(self._history))
             for entry in self._pending.values():
                 self._put(self._outbox, entry.message)
-
-
-def _await_turn(outbox: LinkQueue, turn: Turn, priority: int) -> bool:
-    """Wait for the turn; False as soon as a chunk more urgent than this one
-    (of `priority`) is queued behind it, which should go first (its put
-    pokes the turn's order: order.LinkQueue)."""
-    outbox.waiting = (turn, priority)
-    try:
-        while not turn.wait(interrupted=lambda: outbox.urgent_beyond(priority)):
-            if outbox.urgent_beyond(priority):
-                return False
-        return True
-    finally:
-        outbox.waiting = None
 
 
 def _call(handler: ReplyHandler, reply: ShardView | None, error: ReducerError | None,

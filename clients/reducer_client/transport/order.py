@@ -164,7 +164,8 @@ class LinkQueue:
     """A link's outbox: get() returns the highest priority first, in put()
     order among equals (priority 0, the common case, is a plain FIFO)."""
 
-    __slots__ = ("_fifo", "_urgent", "_count", "_front", "_cond", "top_priority", "waiting")
+    __slots__ = ("_fifo", "_urgent", "_count", "_front", "_cond", "top_priority", "waiting",
+                 "_idle")
 
     def __init__(self) -> None:
         self._fifo: deque[Any] = deque()
@@ -177,6 +178,8 @@ class LinkQueue:
         # (turn, priority) of the chunk the sender waits to send, set by the
         # sender (link.py): a put of a more urgent chunk pokes its order.
         self.waiting: tuple[Turn, int] | None = None
+        # The taker waits in get() for an item: it is done with the last one.
+        self._idle = False
 
     def put(self, item: Any, priority: int = 0, front: bool = False) -> None:
         """Queue `item`; front: before the others of its priority (put back)."""
@@ -205,12 +208,33 @@ class LinkQueue:
         """The next item, waiting for one."""
         with self._cond:
             while not (self._urgent or self._fifo):
+                self._idle = True
                 self._cond.wait()
+            self._idle = False
             if self._urgent:
                 item = heapq.heappop(self._urgent)[2]
                 self.top_priority = -self._urgent[0][0] if self._urgent else 0
                 return item
             return self._fifo.popleft()
+
+    def idle(self) -> bool:
+        """Nothing queued and the taker waiting for an item (so done with its
+        last one): until the next put(), nobody else writes its stream."""
+        with self._cond:
+            return self._idle and not (self._urgent or self._fifo)
+
+    def await_turn(self, turn: Turn, priority: int) -> bool:
+        """On the taker's thread, wait for the turn of the chunk it took; False
+        as soon as a chunk more urgent than this one (of `priority`) is queued
+        behind it, which should go first (its put pokes the turn's order)."""
+        self.waiting = (turn, priority)
+        try:
+            while not turn.wait(interrupted=lambda: self.urgent_beyond(priority)):
+                if self.urgent_beyond(priority):
+                    return False
+            return True
+        finally:
+            self.waiting = None
 
     def __len__(self) -> int:
         with self._cond:

@@ -73,6 +73,7 @@ _NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 StreamBroken = TransportError
 _FRAME_HEADER_BYTES = len(frame_header(SHARD, 0))
 assert _FRAME_HEADER_BYTES <= HEADROOM
+_FRAME_START = HEADROOM - _FRAME_HEADER_BYTES  # where a request item's frame begins
 
 
 class TcpTransport(Transport):
@@ -148,6 +149,7 @@ class TcpStream:
         self._on_refused = on_refused
         self._sock: socket.socket | None = None
         self._io: socket.socket | TlsChannel | None = None  # the socket, or its TLS
+        self._rest: memoryview | None = None  # what send_now left, the next item
 
     def connect(self) -> None:
         """Open the connection (TLS too, where given) and say hello; OSError
@@ -175,18 +177,43 @@ class TcpStream:
         threading.Thread(target=self._send, args=(io,), daemon=True,
                          name=f"reducer-tcp-send-{self.host}:{self.port}").start()
 
+    @property
+    def can_send_now(self) -> bool:
+        """Whether send_now() may be used: a plain socket (over TLS only the
+        sender thread writes)."""
+        return self._sock is not None and self._io is self._sock
+
+    def send_now(self, item: memoryview) -> memoryview:
+        """Send the frame of `item` (HEADROOM, then a Shard) without blocking;
+        what the socket did not take (empty: all of it went), which must be
+        this stream's next request item. Only while the sender thread is idle
+        (base.py: direct sends)."""
+        sock = self._sock
+        assert sock is not None and self._io is sock, "a connected plain socket only"
+        frame = item[_FRAME_START:]
+        frame[:_FRAME_HEADER_BYTES] = frame_header(SHARD, len(frame) - _FRAME_HEADER_BYTES)
+        try:
+            rest = frame[sock.send(frame, socket.MSG_DONTWAIT):]
+        except OSError:  # no room at all, or broken: the sender's sendall finds out
+            rest = frame
+        self._rest = rest if rest else None
+        return rest
+
     def shutdown(self) -> None:
         """End the connection both ways (any thread); iteration then stops."""
         if self._sock is not None:
             shutdown_quietly(self._sock)
 
     def _send(self, io: socket.socket | TlsChannel) -> None:
-        start = HEADROOM - _FRAME_HEADER_BYTES
         sock = self._sock
         assert sock is not None
         try:
             for item in self._requests:
-                frame = item[start:]
+                if item is self._rest:  # the end of a frame that send_now began
+                    self._rest = None
+                    io.sendall(item)
+                    continue
+                frame = item[_FRAME_START:]
                 frame[:_FRAME_HEADER_BYTES] = frame_header(SHARD, len(frame) - _FRAME_HEADER_BYTES)
                 io.sendall(frame)
             sock.shutdown(socket.SHUT_WR)
