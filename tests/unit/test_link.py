@@ -386,6 +386,28 @@ def test_close_fails_sends_and_stops_a_backoff_at_once(daemon):
     assert len(daemon.opens) == opens and time.monotonic() - start < 5
 
 
+def test_an_old_round_completed_again_does_not_hide_a_newer_result(daemon):
+    """After breaks, two ranks' histories may both resend round r - 1 and so
+    complete it again, after round r completed; a resend of round r (its reply
+    was lost) must still get round r's result. (The fake kept one round per
+    slot and hung here, about 1 in 20 runs of the test below under load.)"""
+    a, b = link_to(daemon), link_to(daemon)
+    try:
+        for round_ in (0, 1):
+            pair = [send(link, "k", round_, [round_ + rank], rank=rank, world_size=2)[0]
+                    for rank, link in enumerate((a, b))]
+            assert [r.get()[0].tolist() for r in pair] == [[2 * round_ + 1]] * 2
+        stale = [send(link, "k", 0, [rank], rank=rank, world_size=2)[0]
+                 for rank, link in enumerate((a, b))]
+        assert [r.get()[0].tolist() for r in stale] == [[1]] * 2
+        again, _ = send(a, "k", 1, [1], rank=0, world_size=2)
+        values, error = again.get()
+        assert error is None and values.tolist() == [3]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_training_through_repeated_breaks_loses_nothing(daemon):
     """Two ranks, each on its own thread, run 40 steps of 8 chunks (a step
     waits for its results, as training does) while the daemon drops every

@@ -89,7 +89,11 @@ class FakeDaemon(Control):
         # links' reader threads (opens), the streams' taker threads, the test.
         self._lock = threading.Lock()
         self._open: dict[ChunkId, _Open] = {}
-        self._results: dict[tuple[str, str, int], _Result] = {}
+        # (job, key, offset) -> round -> result. As in reducerd, a round's
+        # completion drops the older rounds' results, not the newer ones: a
+        # stale resend that completes an old round again (two ranks' histories
+        # after a break) must not hide the result a newer round's resend needs.
+        self._results: dict[tuple[str, str, int], dict[int, _Result]] = {}
         self._streams: set[_FakeStream] = set()
         self._refusal: tuple[grpc.StatusCode, str, int | None] | None = None
         self._unreachable: set[str] = set()
@@ -193,10 +197,11 @@ class FakeDaemon(Control):
                 return
             now = time.monotonic()
             slot = (shard.job, shard.key, shard.offset)
-            cached = self._results.get(slot)
+            rounds = self._results.get(slot, {})
+            cached = rounds.get(shard.round)
             if cached is not None and cached.expires_s <= now:
-                del self._results[slot]
-            elif cached is not None and cached.round == shard.round:
+                del rounds[shard.round]
+            elif cached is not None:
                 stream.reply(cached.reply)  # a resend: the cached result, not counted
                 return
             cid = (shard.job, shard.key, shard.round, shard.offset)
@@ -223,8 +228,10 @@ class FakeDaemon(Control):
                                  world_size=chunk.world_size,
                                  data=convert.to_wire(chunk.acc, chunk.dtype).tobytes())
             if self.round_timeout_s is not None:
-                self._results[slot] = _Result(shard.round, reply,
-                                              now + self.round_timeout_s)
+                rounds = self._results.setdefault(slot, {})
+                for older in [r for r in rounds if r < shard.round]:
+                    del rounds[older]
+                rounds[shard.round] = _Result(shard.round, reply, now + self.round_timeout_s)
             for waiting in chunk.streams:
                 waiting.waiting.discard(cid)
                 if waiting.broken is None:
