@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from reducer_wire.framing import send_at_once
+
 from reducerd.limits import MemoryBudget
 
 __all__ = ["reply_nbytes", "AsyncOutbox", "ThreadOutbox"]
@@ -176,8 +178,9 @@ class ThreadOutbox(_Counted):
     def put_nowait(self, item: Any, priority: int = 0) -> None:
         with self._lock:
             self._count(item)
-            if self._can_send_directly(item):
-                sent = self._send_directly(item.frame)
+            direct = self.direct
+            if direct is not None and self._can_send_directly(item):
+                sent = send_at_once(direct, item.frame)
                 if sent == len(item.frame):
                     self._uncount(item)
                     return
@@ -191,18 +194,9 @@ class ThreadOutbox(_Counted):
                 self._cond.notify_all()
 
     def _can_send_directly(self, item: Any) -> bool:
-        return (self.direct is not None and not self._writing and self._head is None
+        return (not self._writing and self._head is None
                 and not self._items and not self._closed
                 and getattr(item, "frame", None) is not None)
-
-    def _send_directly(self, frame: memoryview) -> int:
-        """Bytes of `frame` the socket took without blocking (0 on any error:
-        the writer's own send then meets it and ends the connection)."""
-        assert self.direct is not None
-        try:
-            return self.direct.send(frame, socket.MSG_DONTWAIT)
-        except OSError:  # BlockingIOError (no room) among them
-            return 0
 
     def take(self) -> tuple[Any, int]:
         """The next item for the writer thread, and how many of its frame's
@@ -220,10 +214,6 @@ class ThreadOutbox(_Counted):
                 head, self._head = self._head, None
                 return head
             return self._items.pop(), 0
-
-    def get(self) -> Any:
-        """The next item (take() without the part already sent)."""
-        return self.take()[0]
 
     def sent(self, item: Any) -> None:
         with self._lock:

@@ -50,7 +50,7 @@ def test_thread_outbox_waits_below_frames_and_bytes():
 
     def writer():
         time.sleep(0.05)
-        item = outbox.get()
+        item, _ = outbox.take()
         outbox.sent(item)
 
     threading.Thread(target=writer).start()

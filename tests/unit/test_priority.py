@@ -74,7 +74,7 @@ def test_thread_outbox_sends_urgent_replies_first_and_end_last():
     for item, priority in ((b"low-1", 0), (b"high", 9), (b"mid", 4), (b"low-2", 0)):
         outbox.put_nowait(item, priority)
     outbox.put_nowait(END)
-    assert [outbox.get() for _ in range(5)] == [b"high", b"mid", b"low-1", b"low-2", END]
+    assert [outbox.take()[0] for _ in range(5)] == [b"high", b"mid", b"low-1", b"low-2", END]
     assert outbox.wait_below(1, 1 << 20, 0.1)
 
 
@@ -115,7 +115,7 @@ def test_daemon_answers_a_stream_by_the_priority_of_its_shards():
     heard = {name: [] for name in ("urgent", "plain")}
     for stream in (urgent, plain):
         while stream.outbox.wait_below(1, 1 << 30, 0) is False:
-            heard[stream.peer].append(_key_of(stream.outbox.get()))
+            heard[stream.peer].append(_key_of(stream.outbox.take()[0]))
     assert heard == {"urgent": ["b", "c", "a"], "plain": ["a", "b", "c"]}
     assert not urgent.priorities and not plain.priorities  # nothing left behind
 

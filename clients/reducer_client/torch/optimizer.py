@@ -78,9 +78,9 @@ class _Bucket:
         if self.flat is None:
             self.flat = torch.empty(self.flags_at + len(self.params), device=first.device,
                                     dtype=flat_dtype(first.dtype))
+            self.flat[self.numel:self.flags_at].zero_()  # zeros reduce to zeros: once
         # Device-side fills only: a host-to-device copy of the flags would
         # wait for the stream and so for the rest of backward.
-        self.flat[self.numel:self.flags_at].zero_()
         flags = self.flat[self.flags_at:]
         flags.fill_(1.0)
         for index, (param, name, offset, numel) in enumerate(zip(

@@ -44,6 +44,7 @@ from reducer_wire.framing import (
     frame_header,
     parse_status,
     recv_exactly,
+    send_at_once,
     set_receive_tick,
     shutdown_quietly,
     tune_socket,
@@ -192,10 +193,7 @@ class TcpStream:
         assert sock is not None and self._io is sock, "a connected plain socket only"
         frame = item[_FRAME_START:]
         frame[:_FRAME_HEADER_BYTES] = frame_header(SHARD, len(frame) - _FRAME_HEADER_BYTES)
-        try:
-            rest = frame[sock.send(frame, socket.MSG_DONTWAIT):]
-        except OSError:  # no room at all, or broken: the sender's sendall finds out
-            rest = frame
+        rest = frame[send_at_once(sock, frame):]  # a broken socket: the sender finds out
         self._rest = rest if rest else None
         return rest
 

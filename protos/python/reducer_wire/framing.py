@@ -26,7 +26,7 @@ from reducer_wire.codes import status_code_from_value
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
            "Receiver", "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header",
            "read_header", "read_payload", "read_frame", "send_frame", "status_frame",
-           "parse_status", "recv_exactly", "set_receive_tick", "shutdown_quietly",
+           "parse_status", "recv_exactly", "send_at_once", "set_receive_tick", "shutdown_quietly",
            "tune_socket"]
 
 MAGIC = b"RDCRDP01"
@@ -159,6 +159,15 @@ def tune_socket(sock: socket.socket) -> None:
         option = getattr(socket, name, None)
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def send_at_once(sock: socket.socket, data: memoryview) -> int:
+    """Bytes of `data` the socket takes without blocking: all, some or none (0
+    also for a broken socket, which the next blocking send then reports)."""
+    try:
+        return sock.send(data, socket.MSG_DONTWAIT)
+    except OSError:  # BlockingIOError (no room) among them
+        return 0
 
 
 def send_frame(sock: socket.socket, kind: int, payload: bytes | memoryview) -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from reducer_wire.dtypes import WIRE_DTYPES
-
 from reducerd.bench import arguments as shared
 from reducerd.bench.arguments import UsageError
+from reducerd.bench.config import WIRE_DTYPE_NAMES
 from reducerd.bench.train.config import DEFAULT_SYSTEMS, TRAIN_SYSTEMS, Accelerator, TrainConfig
 from reducerd.bench.train.specs import MODELS, model_spec
 from reducerd.bench.units import parse_rate
@@ -51,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every modeled compute time T times longer (default: with "
                              "--emulate-cluster, real link / RATE / S, which keeps compute "
                              "and communication in the real setting's ratio; else 1)")
-    parser.add_argument("--wire-dtype", default="float16", choices=sorted(WIRE_DTYPES),
+    parser.add_argument("--wire-dtype", default="float16", choices=sorted(WIRE_DTYPE_NAMES),
                         help="reducerd's wire dtype (default float16); the 8-bit ones "
                              "with the shims' error feedback (on by default for them)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
