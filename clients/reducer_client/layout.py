@@ -39,8 +39,9 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 PIPELINE_CHUNKS_PER_DAEMON = 32
 MIN_CHUNK_BYTES = 64 << 10
 # Named in the layout fingerprint: a client that cuts keys by another rule
-# (v1: 16 chunks per daemon) is refused by the daemon instead of mixing.
-LAYOUT_RULE = "reducer-layout/v2"
+# (v1: 16 chunks per daemon; v2: every key over every daemon, however small
+# its chunks) is refused by the daemon instead of mixing.
+LAYOUT_RULE = "reducer-layout/v3"
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,19 @@ def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
     Chunks hold whole blocks of `block` elements (reducer_wire.dtypes.wire_block:
     128 for int8, whose scales are per block; 1 otherwise), only the last may
     end in a partial one; `itemsize` is the wire bytes of one whole block
-    (dtypes.wire_nbytes(dtype, block)). The chunk count is the smallest
-    multiple of `num_daemons` whose chunks fit in `chunk_bytes` (fewer when
-    there are fewer blocks than daemons), and chunk sizes differ by at most
-    one block, so each daemon gets the same number of bytes to within one
-    block per chunk. Round-robin starts at a daemon picked from a CRC of the
-    key, so many small keys do not all land on daemon 0.
+    (dtypes.wire_nbytes(dtype, block)). Chunk sizes differ by at most one
+    block. Round-robin starts at a daemon picked from a CRC of the key, so
+    many small keys do not all land on daemon 0.
+
+    A key that fills `num_daemons` chunks of the floor (MIN_CHUNK_BYTES, or
+    `chunk_bytes` if smaller) is spread over every daemon: the chunk count is
+    the smallest multiple of `num_daemons` whose chunks fit in `chunk_bytes`,
+    so each daemon gets the same bytes to within one block per chunk. A
+    smaller key gets only as many chunks as it fills at the floor (at least
+    one, and at least what `chunk_bytes` needs), one per daemon: cutting it
+    for every daemon would make chunks whose fixed cost (about 0.3 ms of the
+    client's and the daemon's CPU each, whatever their size) outweighs their
+    bytes. Across a step's many small keys the CRC spreads them.
     """
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
@@ -81,7 +89,11 @@ def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
     blocks = -(-numel // block)
     max_chunk_blocks = chunk_bytes // itemsize
     count = -(-blocks // max_chunk_blocks)  # ceil
-    count = -(-count // num_daemons) * num_daemons  # round up to a multiple of D
+    floor_blocks = max(1, min(MIN_CHUNK_BYTES, chunk_bytes) // itemsize)
+    if blocks >= num_daemons * floor_blocks:
+        count = -(-count // num_daemons) * num_daemons  # round up to a multiple of D
+    else:  # a small key: chunks of at least the floor, at most one per daemon
+        count = max(count, blocks // floor_blocks, 1)
     count = min(count, blocks)
     base, extra = divmod(blocks, count)
     first_daemon = zlib.crc32(key.encode()) % num_daemons

@@ -167,12 +167,17 @@ def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
 def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,
                        itemsize: int = 2) -> float:
     """The mean chunk the client's layout makes of one key with at most
-    `chunk_bytes` per chunk: the count is rounded up to a multiple of the
-    daemons (reducer_client.layout.plan_chunks), so chunks may be smaller."""
+    `chunk_bytes` per chunk (reducer_client.layout.plan_chunks): a key that
+    fills a chunk of the floor per daemon gets a multiple of the daemons, so
+    chunks may be smaller; a smaller key as many as it fills at the floor."""
     numel = max(1, model_bytes // itemsize)
     count = -(-numel // max(1, chunk_bytes // itemsize))
-    count = min(numel, -(-count // daemons) * daemons)
-    return model_bytes / count
+    floor = max(1, min(MIN_CHUNK_BYTES, chunk_bytes) // itemsize)
+    if numel >= daemons * floor:
+        count = -(-count // daemons) * daemons
+    else:
+        count = max(count, numel // floor, 1)
+    return model_bytes / min(numel, count)
 
 
 def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int) -> int:

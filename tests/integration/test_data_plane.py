@@ -62,7 +62,10 @@ def test_tcp_grpc_and_numpy_codecs_give_the_same_bytes(tmp_path):
                 for rank_results in results:
                     for result in rank_results:
                         assert result["ratio"] <= 1.0, result
-                        assert result["transports"] == [plane, plane]
+                        # A small key goes to one daemon: its link alone is open yet.
+                        used = [t for t in result["transports"] if t is not None]
+                        assert used and set(used) == {plane}, result["transports"]
+                    assert rank_results[-1]["transports"] == [plane, plane]
                 label = (tuple(daemon_env), plane, numpy_codec)
                 digests[label] = [[r["digest"] for r in rank] for rank in results]
         finally:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reducer_client.layout import DEFAULT_CHUNK_BYTES, plan_chunks
+from reducer_client.layout import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, plan_chunks
 
 
 def _check_cover(chunks, numel):
@@ -27,18 +27,42 @@ def test_every_element_once_balanced_and_deterministic(numel, itemsize, daemons,
     assert chunks == plan_chunks(numel, itemsize, daemons, chunk_bytes, key)
     assert all(c.numel * itemsize <= max(chunk_bytes, itemsize) for c in chunks)
     assert all(0 <= c.daemon < daemons for c in chunks)
-    if numel >= daemons:
-        # Chunk sizes differ by <= 1 element and chunks go round-robin, so the
-        # daemons' shares differ by at most one element per chunk they hold.
+    sizes = {c.numel for c in chunks}
+    assert not chunks or max(sizes) - min(sizes) <= 1
+    floor = max(1, min(MIN_CHUNK_BYTES, chunk_bytes) // itemsize)
+    if numel >= daemons * floor:
+        # Spread over every daemon: chunks go round-robin, so the daemons'
+        # shares differ by at most one element per chunk they hold.
+        assert len(chunks) % daemons == 0 or len(chunks) == numel  # one element each
         per_daemon = [sum(c.numel for c in chunks if c.daemon == d) for d in range(daemons)]
-        sizes = {c.numel for c in chunks}
-        assert max(sizes) - min(sizes) <= 1
         assert max(per_daemon) - min(per_daemon) <= -(-len(chunks) // daemons)
+    elif chunks:
+        # A small key: at most one chunk per daemon, each of the floor at least
+        # unless chunk_bytes asks for more chunks.
+        assert len({c.daemon for c in chunks}) == len(chunks) <= daemons
+        needed = -(-numel // max(1, chunk_bytes // itemsize))
+        assert len(chunks) == needed or min(sizes) >= floor
 
 
 def test_small_keys_spread_over_daemons():
     firsts = {plan_chunks(1, 2, 4, 1 << 20, f"grad/{i}")[0].daemon for i in range(64)}
     assert firsts == {0, 1, 2, 3}
+
+
+def test_keys_under_a_floor_chunk_per_daemon_are_not_cut_for_every_daemon():
+    """A 64 Ki-element float32 bucket on a float16 wire (128 KiB) over 8 daemons:
+    2 chunks of 64 KiB on consecutive daemons, not 8 of 16 KiB (each chunk
+    costs the client and the daemon CPU whatever its size); from 8 x 64 KiB
+    on, every daemon gets a share again."""
+    from reducer_client.layout import pipelined_chunk_bytes
+
+    small = plan_chunks(1 << 16, 2, 8, pipelined_chunk_bytes(128 << 10, 8), "b")
+    first = zlib.crc32(b"b") % 8
+    assert [(c.numel, c.daemon) for c in small] == [(1 << 15, first), (1 << 15, (first + 1) % 8)]
+    three = plan_chunks(100_000, 2, 8, 1 << 20, "c")  # 200 kB: three chunks of >= 64 KiB
+    assert len(three) == 3 and min(c.numel for c in three) * 2 >= MIN_CHUNK_BYTES
+    spread = plan_chunks(1 << 18, 2, 8, pipelined_chunk_bytes(512 << 10, 8), "d")
+    assert len(spread) == 8 and {c.daemon for c in spread} == set(range(8))
 
 
 def test_chunk_count_is_multiple_of_daemons():
@@ -106,16 +130,17 @@ def test_fingerprint_names_rule_daemons_place_and_chunk_bytes():
 
     from reducer_client.layout import LAYOUT_RULE, layout_fingerprint
 
-    def v1(num_daemons, daemon, chunk_bytes):  # what clients before the v2 rule send
-        text = f"reducer-layout/v1 {num_daemons} {daemon} {chunk_bytes}".encode()
+    def v1(num_daemons, daemon, chunk_bytes, rule="v1"):  # what older clients send
+        text = f"reducer-layout/{rule} {num_daemons} {daemon} {chunk_bytes}".encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
 
-    assert LAYOUT_RULE == "reducer-layout/v2"
+    assert LAYOUT_RULE == "reducer-layout/v3"
     base = layout_fingerprint(4, 1, 1 << 20)
     assert base == layout_fingerprint(4, 1, 1 << 20) and 0 < base < 1 << 64
     others = {layout_fingerprint(5, 1, 1 << 20), layout_fingerprint(4, 2, 1 << 20),
-              layout_fingerprint(4, 1, 1 << 19), v1(4, 1, 1 << 20)}
-    assert base not in others and len(others) == 4
+              layout_fingerprint(4, 1, 1 << 19), v1(4, 1, 1 << 20),
+              v1(4, 1, 1 << 20, "v2")}
+    assert base not in others and len(others) == 5
 
 
 def test_daemon_refuses_a_job_whose_clients_cut_by_different_rules():
