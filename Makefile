@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 STAMP_MX := $(VENV_MX)/.installed
 # The C conversions and 8-bit formats (setup.py): rebuilt in place when their source changes.
 FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_quant.c \
+	protos/python/reducer_wire/_fpmode.h \
 	protos/python/reducer_wire/_codec.c
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire

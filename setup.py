@@ -12,8 +12,10 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("reducer_wire._kernels", ["protos/python/reducer_wire/_kernels.c"],
+              depends=["protos/python/reducer_wire/_fpmode.h"],
               extra_compile_args=["-O3"], optional=True),
     Extension("reducer_wire._quant", ["protos/python/reducer_wire/_quant.c"],
+              depends=["protos/python/reducer_wire/_fpmode.h"],
               extra_compile_args=["-O3"], libraries=["m"], optional=True),
     Extension("reducer_wire._codec", ["protos/python/reducer_wire/_codec.c"],
               extra_compile_args=["-O2"], optional=True),

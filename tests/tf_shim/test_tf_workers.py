@@ -224,8 +224,11 @@ def test_daemon_down_is_a_clear_error(daemons, dead_address, tf_state):
     UNAVAILABLE naming the dead daemon; model.fit fails with TensorFlow's wrapper
     of the same error; both within the client's timeout, no hang."""
     with daemons(1) as d:
+        # Chunks of 128 bytes: the model's small gradient key is then spread over
+        # both daemons (a key under a chunk's floor per daemon would go to one,
+        # by its CRC, and might never need the dead one).
         rtf.init(addresses=[d.addresses[0], dead_address], job="tf-down", rank=0,
-                 world_size=1, timeout=2.0)
+                 world_size=1, timeout=2.0, chunk_bytes=128)
         model = _dense_model(seed=1)
         x, y, _, _ = _dataset()
         with tf.GradientTape() as tape:

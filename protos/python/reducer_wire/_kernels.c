@@ -19,6 +19,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "_fpmode.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -318,7 +320,9 @@ static PyObject *convert(PyObject *args, Py_ssize_t src_size, Py_ssize_t dst_siz
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((const char *)src.buf, (char *)dst.buf, n);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -346,7 +350,9 @@ static PyObject *accumulate(PyObject *args, add_fn fn, const char *name) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((float *)acc.buf, (const char *)src.buf, n);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);

@@ -20,6 +20,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "_fpmode.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -350,7 +352,9 @@ static PyObject *py_q8_encode(PyObject *self, PyObject *args) {
     q8_fn fn = q8_encode_generic;
 #endif
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((const char *)src.buf, (char *)dst.buf, n, block);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     release_both(&src, &dst);
     Py_RETURN_NONE;
@@ -370,7 +374,9 @@ static PyObject *py_q8_decode(PyObject *self, PyObject *args) {
     }
     q8_fn fn = PICK(q8_decode);
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((const char *)src.buf, (char *)dst.buf, n, block);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     release_both(&src, &dst);
     Py_RETURN_NONE;
@@ -390,7 +396,9 @@ static PyObject *py_q8_add(PyObject *self, PyObject *args) {
     }
     q8_add_fn fn = PICK(q8_add);
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((float *)acc.buf, (const char *)src.buf, n, block);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     release_both(&acc, &src);
     Py_RETURN_NONE;
@@ -419,7 +427,9 @@ static PyObject *py_fp8_encode(PyObject *self, PyObject *args) {
     }
     fp8_fn fn = PICK(fp8_encode);
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((const char *)src.buf, (char *)dst.buf, n, kind);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     release_both(&src, &dst);
     Py_RETURN_NONE;
@@ -439,7 +449,9 @@ static PyObject *py_fp8_decode(PyObject *self, PyObject *args) {
     }
     fp8_fn fn = PICK(fp8_decode);
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((const char *)src.buf, (char *)dst.buf, n, kind);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     release_both(&src, &dst);
     Py_RETURN_NONE;
@@ -460,7 +472,9 @@ static PyObject *py_fp8_add(PyObject *self, PyObject *args) {
     }
     fp8_add_fn fn = PICK(fp8_add);
     Py_BEGIN_ALLOW_THREADS
+    RW_FP_ENTER;
     fn((float *)acc.buf, (const char *)src.buf, n, kind);
+    RW_FP_LEAVE;
     Py_END_ALLOW_THREADS
     release_both(&acc, &src);
     Py_RETURN_NONE;
