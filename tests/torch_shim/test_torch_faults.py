@@ -113,8 +113,11 @@ def killed_daemon_worker(rank: int, world_size: int, addresses: list[str], job: 
                          progress_dir: str) -> dict:
     """Train until a reduction fails; say when 3 steps are done (the test then kills a daemon)."""
     torch.set_num_threads(1)
+    # 1 KiB chunks: the MLP's one small bucket is then spread over both daemons,
+    # so every step needs the one that is killed (under a chunk's floor per
+    # daemon it would go to one daemon, by its key's CRC).
     client = ReducerClient(addresses, job=job, rank=rank, world_size=world_size,
-                           timeout=TIMEOUT_S)
+                           timeout=TIMEOUT_S, chunk_bytes=1024)
     model = make_model("mlp")
     opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                   named_parameters=model.named_parameters(), reducer=client)
