@@ -12,23 +12,15 @@ figures are the client's and the daemons' CPU (user + system, from
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 from reducer_client.client import ReducerClient
 
+from reducerd.bench.procs import cpu_seconds
 from reducerd.local import start_daemon
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 _KEYS = 50
-
-
-def cpu_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
             for key in keys:  # connect and warm up
                 client.allreduce(x, key=key, out=out)
             cpu0, wall0 = time.process_time(), time.monotonic()
-            daemons0 = sum(cpu_s(d.process.pid) for d in daemons)
+            daemons0 = sum(cpu_seconds(d.process.pid) for d in daemons)
             for _ in range(args.passes):
                 for future in [client.allreduce_async(x, key=k, out=out) for k in keys]:
                     future.result()
             cpu1, wall1 = time.process_time(), time.monotonic()
-            daemons1 = sum(cpu_s(d.process.pid) for d in daemons)
+            daemons1 = sum(cpu_seconds(d.process.pid) for d in daemons)
     finally:
         for d in daemons:
             d.stop()
