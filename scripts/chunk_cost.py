@@ -4,7 +4,7 @@ Each timed pass starts 50 allreduces of NUMEL float32 elements at once
 (keys b0..b49, as a training step's buckets) and waits for them; the
 figures are the client's and the daemons' CPU (user + system, from
 /proc) and the wall time per key. It shows what a key's chunk count costs
-(reducer_client.layout): a chunk costs CPU whatever its size.
+(reducer_wire.layout): a chunk costs CPU whatever its size.
 
     .venv/bin/python scripts/chunk_cost.py --daemons 8 --numel 65536 --passes 20
 """

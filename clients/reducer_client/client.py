@@ -23,6 +23,13 @@ import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import ShardEncoder
+from reducer_wire.layout import (
+    DEFAULT_CHUNK_BYTES,
+    Chunk,
+    layout_fingerprint,
+    pipelined_chunk_bytes,
+    plan_wire_chunks,
+)
 
 from reducer_client.env import (
     DEFAULT_TIMEOUT_S,
@@ -33,13 +40,6 @@ from reducer_client.env import (
     wire_numpy_from_env,
 )
 from reducer_client.errors import ReducerError
-from reducer_client.layout import (
-    DEFAULT_CHUNK_BYTES,
-    Chunk,
-    layout_fingerprint,
-    pipelined_chunk_bytes,
-    plan_wire_chunks,
-)
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation

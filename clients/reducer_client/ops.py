@@ -21,9 +21,9 @@ import grpc
 import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire.codec import ShardView
+from reducer_wire.layout import Chunk
 
 from reducer_client.errors import ReducerError
-from reducer_client.layout import Chunk
 from reducer_client.transport.link import ReplyHandler
 
 __all__ = ["Operation", "InFlight", "SettleCallback"]

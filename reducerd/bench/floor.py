@@ -149,8 +149,8 @@ class FloorComm(Comm):
         self.pool = ThreadPoolExecutor(len(self.conns))
 
     def prepare(self, numel: int) -> None:
-        from reducer_client.layout import pipelined_chunk_bytes, plan_wire_chunks
         from reducer_wire import dtypes
+        from reducer_wire.layout import pipelined_chunk_bytes, plan_wire_chunks
 
         dtype = dtypes.WIRE_DTYPES[self.spec["wire_dtype"]]
         daemons = len(self.conns)

@@ -34,7 +34,7 @@ the slower end of its path: a worker sends to all D daemons at once (a chunk
 takes D C / Rw on its link), a daemon takes from and answers all N workers
 at once (N C / Rd on its link). With D = N and equal links that is
 C (N + D) / rate, what `reducerd bench --emulate-cluster` measured
-(reducer_client.layout).
+(reducer_wire.layout).
 
 Ring (ranks placed node by node, so one ring edge in and one out per node):
 
@@ -48,17 +48,22 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from reducer_wire.layout import (
+    DEFAULT_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    PIPELINE_CHUNKS_PER_DAEMON,
+    chunk_count,
+    pipelined_chunk_bytes,
+)
+
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
            "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
            "link_efficiency",
            "efficiency",
            "PIPELINE_CHUNKS_PER_DAEMON", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES"]
 
-# The client's default chunking (reducer_client.layout.pipelined_chunk_bytes,
-# which the daemon may not import; tests/unit/test_plan.py checks they agree).
-PIPELINE_CHUNKS_PER_DAEMON = 32
-MIN_CHUNK_BYTES = 64 << 10
-MAX_CHUNK_BYTES = 1 << 20
+# The client's default chunking: the one layout rule both sides import.
+MAX_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
 # Per packet: IPv4 20 + TCP 20 + timestamps 12 inside the MTU; Ethernet header
 # 14, FCS 4, preamble 8 and inter-frame gap 12 outside it.
 TCP_IP_HEADER_BYTES = 52
@@ -160,24 +165,15 @@ def link_efficiency(mtu: int) -> float:
 
 def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
     """The client's default chunk size for one key of `model_bytes` over `daemons`."""
-    wanted = -(-model_bytes // (daemons * PIPELINE_CHUNKS_PER_DAEMON))
-    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, wanted))
+    return pipelined_chunk_bytes(model_bytes, daemons, MAX_CHUNK_BYTES)
 
 
 def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,
                        itemsize: int = 2) -> float:
-    """The mean chunk the client's layout makes of one key with at most
-    `chunk_bytes` per chunk (reducer_client.layout.plan_chunks): a key that
-    fills a chunk of the floor per daemon gets a multiple of the daemons, so
-    chunks may be smaller; a smaller key as many as it fills at the floor."""
+    """The mean chunk the client's layout (reducer_wire.layout) makes of one
+    key of `model_bytes` with at most `chunk_bytes` per chunk."""
     numel = max(1, model_bytes // itemsize)
-    count = -(-numel // max(1, chunk_bytes // itemsize))
-    floor = max(1, min(MIN_CHUNK_BYTES, chunk_bytes) // itemsize)
-    if numel >= daemons * floor:
-        count = -(-count // daemons) * daemons
-    else:
-        count = max(count, numel // floor, 1)
-    return model_bytes / min(numel, count)
+    return model_bytes / chunk_count(numel, itemsize, daemons, max(chunk_bytes, itemsize))
 
 
 def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int) -> int:

@@ -10,8 +10,8 @@ import threading
 
 import numpy as np
 import pytest
-from reducer_client.layout import pipelined_chunk_bytes, plan_wire_chunks
 from reducer_wire import dtypes
+from reducer_wire.layout import pipelined_chunk_bytes, plan_wire_chunks
 
 from reducerd.bench.floor import LISTENING, FloorComm, serve_on
 

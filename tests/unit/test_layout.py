@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reducer_client.layout import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, plan_chunks
+from reducer_wire.layout import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, plan_chunks
 
 
 def _check_cover(chunks, numel):
@@ -54,7 +54,7 @@ def test_keys_under_a_floor_chunk_per_daemon_are_not_cut_for_every_daemon():
     2 chunks of 64 KiB on consecutive daemons, not 8 of 16 KiB (each chunk
     costs the client and the daemon CPU whatever its size); from 8 x 64 KiB
     on, every daemon gets a share again."""
-    from reducer_client.layout import pipelined_chunk_bytes
+    from reducer_wire.layout import pipelined_chunk_bytes
 
     small = plan_chunks(1 << 16, 2, 8, pipelined_chunk_bytes(128 << 10, 8), "b")
     first = zlib.crc32(b"b") % 8
@@ -78,7 +78,7 @@ def test_bad_arguments_are_named(args):
 
 
 def test_default_chunks_leave_every_daemon_several_to_pipeline():
-    from reducer_client.layout import MIN_CHUNK_BYTES, pipelined_chunk_bytes
+    from reducer_wire.layout import MIN_CHUNK_BYTES, pipelined_chunk_bytes
 
     mib = 1 << 20
     assert pipelined_chunk_bytes(64 * mib, 2) == mib  # large keys: the 1 MiB ceiling
@@ -99,13 +99,13 @@ def test_wire_layout_covers_in_whole_blocks_within_bounds(numel, daemons, dtype_
     """What every worker computes alone from (length, key, daemons, chunk_bytes):
     the same chunks, each element in exactly one, whole 128-element blocks for
     int8, no chunk over its bytes, at least 32 per daemon where the floor allows."""
-    from reducer_client.layout import (
+    from reducer_wire import dtypes
+    from reducer_wire.layout import (
         MIN_CHUNK_BYTES,
         PIPELINE_CHUNKS_PER_DAEMON,
         pipelined_chunk_bytes,
         plan_wire_chunks,
     )
-    from reducer_wire import dtypes
 
     dtype = dtypes.WIRE_DTYPES[dtype_name]
     block = dtypes.wire_block(dtype)
@@ -128,7 +128,7 @@ def test_wire_layout_covers_in_whole_blocks_within_bounds(numel, daemons, dtype_
 def test_fingerprint_names_rule_daemons_place_and_chunk_bytes():
     import hashlib
 
-    from reducer_client.layout import LAYOUT_RULE, layout_fingerprint
+    from reducer_wire.layout import LAYOUT_RULE, layout_fingerprint
 
     def v1(num_daemons, daemon, chunk_bytes, rule="v1"):  # what older clients send
         text = f"reducer-layout/{rule} {num_daemons} {daemon} {chunk_bytes}".encode()
@@ -148,8 +148,8 @@ def test_daemon_refuses_a_job_whose_clients_cut_by_different_rules():
     with INVALID_ARGUMENT naming the layout, instead of summing mismatched chunks."""
     import hashlib
 
-    from reducer_client.layout import layout_fingerprint
     from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+    from reducer_wire.layout import layout_fingerprint
 
     from reducerd.chunks import ChunkId, Contribution
     from reducerd.reduction import ReductionTable
@@ -175,9 +175,9 @@ def test_a_bert_large_step_of_small_buckets_stays_balanced_over_the_daemons():
     float16 wire) put at most 1.15x the mean bytes on the busiest daemon, in
     2-3 chunks a bucket instead of one per daemon (docs/training.md)."""
     torch = pytest.importorskip("torch")
-    from reducer_client.layout import pipelined_chunk_bytes, plan_wire_chunks
     from reducer_client.torch.optimizer import _plan_buckets
     from reducer_wire import dtypes
+    from reducer_wire.layout import pipelined_chunk_bytes, plan_wire_chunks
 
     from reducerd.bench.train.specs import bert_large
 

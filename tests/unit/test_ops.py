@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 from reducer_client.errors import ReducerError
-from reducer_client.layout import Chunk
 from reducer_client.ops import InFlight, Operation
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import decode_shard, encode_shard
+from reducer_wire.layout import Chunk
 
 pytestmark = pytest.mark.timeout(120)
 F32 = pb.DTYPE_FLOAT32

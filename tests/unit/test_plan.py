@@ -141,8 +141,8 @@ def test_bert_large_cluster_needs_256_daemon_links_of_11_cores():
     assert one_core["reducerd"]["daemons"] == 2641  # 256 x 12.5e9 e / 1.2e9, rounded up
 
 
-def test_default_chunk_bytes_and_layout_are_the_clients():
-    from reducer_client.layout import pipelined_chunk_bytes, plan_chunks
+def test_the_planners_chunks_are_the_layout_rules():
+    from reducer_wire.layout import pipelined_chunk_bytes, plan_chunks
 
     for model_bytes in (2, 1000, 64 << 10, 100_000, 1 << 20, 3 << 20, 1 << 24, 672_452_216):
         for daemons in (1, 2, 4, 256):

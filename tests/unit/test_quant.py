@@ -522,7 +522,7 @@ def test_daemon_refuses_int8_lengths_no_chunk_has():
 @pytest.mark.parametrize("numel", [1, B - 1, B + 1, 1000 * B + 77])
 @pytest.mark.parametrize("daemons", [1, 3])
 def test_client_chunks_hold_whole_blocks(numel, daemons):
-    from reducer_client.layout import plan_wire_chunks
+    from reducer_wire.layout import plan_wire_chunks
 
     dtype = pb.DTYPE_INT8_BLOCK128
     chunk_bytes = 64 << 10

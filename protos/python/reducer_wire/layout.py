@@ -1,5 +1,8 @@
 """Chunk layout: how a flat tensor is cut into chunks and spread over daemons.
 
+One rule for both sides: the client cuts its keys with it, the daemon's
+planner (reducerd plan) counts the chunks a model makes with it.
+
 The layout depends only on the element count, the wire bytes per block (an
 element, or int8's block of elements with its scale), the chunk size and the
 number of daemons, plus the key (which daemon gets the first
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from reducer_wire import dtypes
 
-__all__ = ["Chunk", "plan_chunks", "plan_wire_chunks", "layout_fingerprint",
+__all__ = ["Chunk", "chunk_count", "plan_chunks", "plan_wire_chunks", "layout_fingerprint",
            "pipelined_chunk_bytes", "DEFAULT_CHUNK_BYTES", "LAYOUT_RULE"]
 
 # Wire bytes per chunk at most, by default: well under gRPC's 4 MiB message
@@ -53,6 +56,32 @@ class Chunk:
     daemon: int
 
 
+def chunk_count(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
+                block: int = 1) -> int:
+    """How many chunks plan_chunks cuts `numel` elements into (its arguments, bar the key)."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if num_daemons < 1:
+        raise ValueError("need at least one daemon")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if itemsize < 1 or chunk_bytes < itemsize:
+        raise ValueError(f"chunk_bytes ({chunk_bytes}) must hold at least one "
+                         + (f"element of {itemsize} bytes" if block == 1 else
+                            f"block of {block} elements ({itemsize} bytes)"))
+    if numel == 0:
+        return 0
+    blocks = -(-numel // block)
+    max_chunk_blocks = chunk_bytes // itemsize
+    count = -(-blocks // max_chunk_blocks)  # ceil
+    floor_blocks = max(1, min(MIN_CHUNK_BYTES, chunk_bytes) // itemsize)
+    if blocks >= num_daemons * floor_blocks:
+        count = -(-count // num_daemons) * num_daemons  # round up to a multiple of D
+    else:  # a small key: chunks of at least the floor, at most one per daemon
+        count = max(count, blocks // floor_blocks, 1)
+    return min(count, blocks)
+
+
 def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
                 key: str = "", block: int = 1) -> list[Chunk]:
     """Cut `numel` elements into balanced chunks spread round-robin over daemons.
@@ -74,27 +103,10 @@ def plan_chunks(numel: int, itemsize: int, num_daemons: int, chunk_bytes: int,
     client's and the daemon's CPU each, whatever their size) outweighs their
     bytes. Across a step's many small keys the CRC spreads them.
     """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    if num_daemons < 1:
-        raise ValueError("need at least one daemon")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
-    if itemsize < 1 or chunk_bytes < itemsize:
-        raise ValueError(f"chunk_bytes ({chunk_bytes}) must hold at least one "
-                         + (f"element of {itemsize} bytes" if block == 1 else
-                            f"block of {block} elements ({itemsize} bytes)"))
-    if numel == 0:
+    count = chunk_count(numel, itemsize, num_daemons, chunk_bytes, block)
+    if count == 0:
         return []
     blocks = -(-numel // block)
-    max_chunk_blocks = chunk_bytes // itemsize
-    count = -(-blocks // max_chunk_blocks)  # ceil
-    floor_blocks = max(1, min(MIN_CHUNK_BYTES, chunk_bytes) // itemsize)
-    if blocks >= num_daemons * floor_blocks:
-        count = -(-count // num_daemons) * num_daemons  # round up to a multiple of D
-    else:  # a small key: chunks of at least the floor, at most one per daemon
-        count = max(count, blocks // floor_blocks, 1)
-    count = min(count, blocks)
     base, extra = divmod(blocks, count)
     first_daemon = zlib.crc32(key.encode()) % num_daemons
     chunks = []
