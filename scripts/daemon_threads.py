@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from many_contributors import _DATA_RE, cpu_s
+from many_contributors import _DATA_RE
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.bench.loadgen import LoadSpec, run_load
+from reducerd.bench.procs import cpu_seconds as cpu_s
 from reducerd.local import start_daemon
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing import SummingPool

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import threading
@@ -26,30 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from reducerd.bench.loadgen import LoadSpec, run_load
+from reducerd.bench.procs import cpu_seconds as cpu_s
+from reducerd.bench.procs import proc_status
 from reducerd.local import start_daemon
 
 _DATA_RE = re.compile(r"data plane on (\S+):(\d+)")
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM in bytes, Threads, from /proc/PID/status."""
-    fields: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0]) * 1024
-        elif name == "Threads":
-            fields[name] = int(value)
-    return fields
-
-
-def cpu_s(pid: int, tid: int | None = None) -> float:
-    """User + system CPU seconds of the process (all its threads), or of one thread."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    stat = Path(path).read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 class _PeakRss:

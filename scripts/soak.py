@@ -22,14 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from reducerd.bench.procs import proc_status
+
 SIZES = [256, 4096, 65_536, 262_144, 1 << 20]  # elements of float32
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def worker(job: int, rank: int, world: int, addresses: list[str], stop_at: float,
@@ -82,9 +77,9 @@ def run(duration_s: float, workers: int, daemons: int, warmup_s: float) -> dict:
         for child in children:
             child.start()
         time.sleep(min(warmup_s, duration_s / 2))
-        rss_start = [rss_bytes(d.process.pid) for d in procs]
+        rss_start = [proc_status(d.process.pid)["VmRSS"] for d in procs]
         collected = [results.get(timeout=duration_s + 120) for _ in children]
-        rss_end = [rss_bytes(d.process.pid) for d in procs]
+        rss_end = [proc_status(d.process.pid)["VmRSS"] for d in procs]
         for child in children:
             child.join(30)
     latencies = np.array([x for r in collected for x in r[3]]) * 1e3

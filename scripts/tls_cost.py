@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from reducerd.bench.procs import cpu_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
@@ -96,15 +98,10 @@ def _worker(rank, world_size, address, tls_files, sizes, rounds, results):
     results.put((rank, times))
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _measure(label, daemon, tls_files, workers, sizes, rounds):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cpu_before = _cpu_s(daemon.process.pid)
+    cpu_before = cpu_seconds(daemon.process.pid)
     procs = [ctx.Process(target=_worker, args=(r, workers, daemon.address, tls_files, sizes,
                                               rounds, results)) for r in range(workers)]
     for p in procs:
@@ -112,7 +109,7 @@ def _measure(label, daemon, tls_files, workers, sizes, rounds):
     per_rank = dict(results.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join(60)
-    cpu_s = _cpu_s(daemon.process.pid) - cpu_before
+    cpu_s = cpu_seconds(daemon.process.pid) - cpu_before
     input_gb = sum(4 * s * (rounds + 2) * workers for s in sizes) / 1e9
     rows = []
     for size in sizes:

@@ -99,10 +99,23 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a live process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """user + system CPU time of a live process, or of its thread `tid` (Linux /proc)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM in bytes, and Threads, of a live process (/proc/PID/status)."""
+    fields: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0]) * 1024
+        elif name == "Threads":
+            fields[name] = int(value)
+    return fields
 
 
 def wait_for_log(proc: Proc, pattern: str, timeout_s: float) -> re.Match:
