@@ -16,7 +16,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from reducerd.bench.config import BenchConfig, wire_nbytes
+from reducerd.bench.config import (
+    REDUCERD_WIRE_BASELINES,
+    TCP_FLOOR_SYSTEMS,
+    BenchConfig,
+    wire_nbytes,
+)
 from reducerd.bench.figures import aggregate
 from reducerd.bench.launch import Placement, default_mxnet_python, launch, make_placement
 from reducerd.bench.procs import Proc, ProcessSet, SystemFailed, cpu_seconds, follow_workers
@@ -42,14 +47,22 @@ def _available(config: BenchConfig, mxnet_python: Path,
     return systems
 
 
-def _daemon_efficiency(config: BenchConfig, daemons: list[Proc],
+# Systems whose helper processes take every worker's wire bytes (reducerd's
+# daemons, the tcp-floor's echo servers): their input per CPU-second is
+# reported. The floor's is what plain TCP costs a process on this machine.
+_SERVER_CPU_SYSTEMS = frozenset({"reducerd", *REDUCERD_WIRE_BASELINES, *TCP_FLOOR_SYSTEMS})
+
+
+def _daemon_efficiency(config: BenchConfig, system: str, daemons: list[Proc],
                        cpu_after_first_step: float) -> dict[str, float]:
-    """What the daemons received per CPU-second they used, from the end of the
-    sweep's first step (start-up, imports and connecting left out) to its end."""
+    """What the daemons (or echo servers) received per CPU-second they used,
+    from the end of the sweep's first step (start-up, imports and connecting
+    left out) to its end."""
     steps = config.warmup + config.iters
-    input_bytes = sum(wire_nbytes(config.wire_dtype, size // 4) * config.workers * steps
+    wire = config.wire_dtype_of(system)
+    input_bytes = sum(wire_nbytes(wire, size // 4) * config.workers * steps
                       for size in config.sizes_bytes)
-    input_bytes -= wire_nbytes(config.wire_dtype, config.sizes_bytes[0] // 4) * config.workers
+    input_bytes -= wire_nbytes(wire, config.sizes_bytes[0] // 4) * config.workers
     cpu_s = sum(cpu_seconds(d.process.pid) for d in daemons) - cpu_after_first_step
     return {"input_bytes": input_bytes, "cpu_s": round(cpu_s, 3),
             "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if cpu_s else 0.0}
@@ -69,7 +82,7 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
         if event["event"] == "size":
             per_rank[proc.rank].append(event)  # type: ignore[index]
         elif event["event"] == "iter" and proc.rank == 0:
-            if system == "reducerd" and not daemon_cpu_s:
+            if system in _SERVER_CPU_SYSTEMS and not daemon_cpu_s:
                 try:
                     daemon_cpu_s.append(sum(cpu_seconds(d.process.pid) for d in helpers))
                 except (OSError, ValueError, IndexError):
@@ -81,9 +94,9 @@ def _run_system(system: str, config: BenchConfig, placement: Placement, procs: P
     run_id = f"{os.getpid()}-{time.monotonic_ns()}"
     workers, helpers = launch(system, config, placement, procs, run_id, mxnet_python)
     follow_workers(workers, helpers, config.stall_timeout_s, on_event)
-    if system == "reducerd" and stats is not None and daemon_cpu_s:
+    if system in _SERVER_CPU_SYSTEMS and stats is not None and daemon_cpu_s:
         try:
-            stats["reducerd_daemons"] = _daemon_efficiency(config, helpers, daemon_cpu_s[0])
+            stats[system] = _daemon_efficiency(config, system, helpers, daemon_cpu_s[0])
         except (OSError, ValueError, IndexError):
             pass  # a daemon already gone: no figure
     return dict(per_rank)
@@ -103,7 +116,7 @@ def run_bench(config: BenchConfig) -> int:
     for system, reason in skipped.items():
         console.print(f"[yellow]{system} skipped:[/] {reason}")
     records: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    stats: dict[str, Any] = {}
+    stats: dict[str, Any] = {}  # system -> its servers' input per CPU-second
     with BenchSession(console, config.log_dir, "reducerd-bench-") as session:
         cluster = None
         if config.emulate_cluster:
@@ -136,15 +149,16 @@ def _report(session: BenchSession, config: BenchConfig, systems: list[str],
     session.keep_records(records)  # raw per-rank, per-iteration records beside the logs
     if results:
         render_table(results_console(), config, results)
-    daemons = stats.get("reducerd_daemons")
-    if daemons:
-        console.print(f"reducerd daemons: {daemons['input_GB_per_cpu_s']:.2f} GB of "
-                      f"{config.wire_dtype} input per daemon CPU-second "
-                      f"({daemons['input_bytes'] / 1e9:.2f} GB in {daemons['cpu_s']:.2f} s)")
+    for system, figures in stats.items():
+        kind = "daemon" if system.startswith("reducerd") else "echo server"
+        console.print(f"{system} {kind}s: {figures['input_GB_per_cpu_s']:.2f} GB of "
+                      f"{config.wire_dtype_of(system)} input per {kind} CPU-second "
+                      f"({figures['input_bytes'] / 1e9:.2f} GB in {figures['cpu_s']:.2f} s)")
     if config.json_path:
         record = config_record(config, systems, skipped, failed)
-        if daemons:
-            record["reducerd_daemons"] = daemons
+        if "reducerd" in stats:
+            record["reducerd_daemons"] = stats["reducerd"]
+        record["server_cpu"] = stats  # by system: reducerd's and the floor's
         write_json(config.json_path, record, results)
         session.wrote(config.json_path)
     if config.plot_path and results:

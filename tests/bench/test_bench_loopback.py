@@ -82,5 +82,11 @@ def test_reducerd_over_float16_beside_the_int8_wire_in_one_run(tmp_path: Path):
     # The daemons' input after the first step: int8 codes and their scales.
     numel = (1 << 20) // 4
     assert config["reducerd_daemons"]["input_bytes"] == 2 * 2 * (4 * numel // 128 + numel)
+    # Every reducerd system's daemons report theirs, in the wire dtype they send.
+    servers = config["server_cpu"]
+    assert servers["reducerd"] == config["reducerd_daemons"]
+    assert servers["reducerd-float16"]["input_bytes"] == 2 * 2 * 2 * numel
+    assert all(figures["cpu_s"] > 0 for figures in servers.values()), servers
+    assert "reducerd-float16 daemons:" in done.stderr
     assert "reducerd-float16" in done.stdout  # its row, with its ratio
     assert re.search(r"reducerd-float16\s.*\d\.\d\dx", done.stdout), done.stdout
