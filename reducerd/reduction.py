@@ -251,8 +251,8 @@ class ReductionTable:
         """A summing thread finished `chunk` (loop thread): deliver its result."""
         if self._open.get(cid) is not chunk:
             return  # failed meanwhile (round timeout, shutdown): its streams were told
-        self.on_deliveries([self._completed(cid, chunk, self.jobs[cid.job], reply),
-                            *self._pooled.resend_deliveries(cid, chunk, reply)])  # type: ignore[union-attr]
+        resent = self._pooled.resend_deliveries(cid, chunk, reply)  # type: ignore[union-attr]
+        self.on_deliveries([self._completed(cid, chunk, self.jobs[cid.job], reply), *resent])
 
     def summing_failed(self, cid: ChunkId, chunk: OpenChunk, message: str) -> None:
         """A summing thread failed on `chunk` (our fault, logged): INTERNAL for all."""
@@ -391,6 +391,7 @@ class ReductionTable:
             else:  # its summing thread gives the room back after its last task
                 assert self._pooled is not None
                 self._pooled.release(chunk)
+                chunk.sums = None  # no cycle: all goes once the last task ran, not at a GC pass
             job.open_chunks -= 1
 
 

@@ -206,6 +206,9 @@ class SummingPool:
             except Exception:  # tasks answer their own faults; this one is a bug
                 log.exception("reducerd fault in summing thread %d (task %r)", index, task)
             finally:
+                # Not kept while waiting for the next task: a chunk's last task
+                # holds its accumulator.
+                del item, task, args
                 with self._lock:
                     part.queued_bytes -= nbytes
                     self._queued_bytes -= nbytes
