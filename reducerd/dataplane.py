@@ -35,7 +35,7 @@ import socket
 import ssl
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import grpc
@@ -88,6 +88,10 @@ class DataPlane:
         self._stopped = False
         # Frames read on all connections and not yet taken by the loop thread.
         self.backlog = Credit(BACKLOG_FRAMES)
+        # What the connections' threads handed the loop (call), in order; one
+        # wake-up of the loop (call_soon_threadsafe) runs all queued by then.
+        self._calls: deque[tuple[Any, tuple[Any, ...]]] = deque()
+        self._calls_scheduled = False
 
     @property
     def handshaking(self) -> int:
@@ -192,8 +196,32 @@ class DataPlane:
             self._connections.discard(conn)
 
     def call(self, function: Any, *args: Any) -> None:
-        """Run `function(*args)` on the loop thread (nothing once the loop is closed)."""
+        """Run `function(*args)` on the loop thread, after the calls before it
+        (nothing once the loop is closed).
+
+        The loop is woken (a byte through its self-pipe, and a GIL hand-off)
+        only when no wake-up is pending: while it is behind, the connections'
+        calls queue up and one wake-up runs them all. Appended before the flag
+        is read, so a call whose thread saw a wake-up pending is in the queue
+        before _run_calls clears the flag, and that run takes it.
+        """
+        self._calls.append((function, args))
+        if self._calls_scheduled:
+            return
+        self._calls_scheduled = True
         try:
-            self.loop.call_soon_threadsafe(function, *args)
+            self.loop.call_soon_threadsafe(self._run_calls)
         except RuntimeError:  # the loop is closed: the daemon is gone
-            pass
+            self._calls.clear()
+            self._calls_scheduled = False
+
+    def _run_calls(self) -> None:
+        """Run the calls queued by now, in order (loop thread); later ones
+        scheduled their own run, so other loop work is not starved."""
+        self._calls_scheduled = False
+        for _ in range(len(self._calls)):
+            function, args = self._calls.popleft()
+            try:
+                function(*args)
+            except Exception:  # as the loop's own handler would: log, run the rest
+                log.exception("reducerd fault in a data-plane call %r", function)
