@@ -24,11 +24,16 @@ for UNAVAILABLE and for a connection refused for capacity, False otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
 import grpc
 from reducer_wire.codes import status_code_from_value
 from reducer_wire.tls import TLS_REFUSAL
 
-__all__ = ["ReducerError", "RETRYABLE_CODES", "status_code_from_value", "stream_error"]
+__all__ = ["ReducerError", "RETRYABLE_CODES", "first_cause", "status_code_from_value",
+           "stream_error"]
 
 # Codes a retry can help whatever the context: the daemon went away.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -72,3 +77,23 @@ def stream_error(code: grpc.StatusCode, message: str) -> ReducerError:
     busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE not in message
     refused = code == grpc.StatusCode.UNAVAILABLE and TLS_REFUSAL.lower() in message.lower()
     return ReducerError(code, message, retryable=True if busy else False if refused else None)
+
+
+def first_cause(error: Exception, others: Iterable[Future[Any]]) -> Exception:
+    """What to raise when one of several reductions in flight failed with `error`.
+
+    A daemon that went away fails the chunks it held with UNAVAILABLE, and a
+    rank that stopped on that error leaves the other daemons' chunks of its
+    step waiting, so they end with DEADLINE_EXCEEDED naming that rank: the
+    echo, not the cause. If `error` is a ReducerError but not UNAVAILABLE, and one of `others`
+    (futures of the same step) already failed with UNAVAILABLE, that one is
+    the cause; otherwise `error`. Nothing is waited for.
+    """
+    if not isinstance(error, ReducerError) or error.code == grpc.StatusCode.UNAVAILABLE:
+        return error  # not a reduction's failure (a bug, bad input), or already the cause
+    for future in others:
+        if future.done() and not future.cancelled():
+            exc = future.exception()
+            if isinstance(exc, ReducerError) and exc.code == grpc.StatusCode.UNAVAILABLE:
+                return exc
+    return error

@@ -38,3 +38,31 @@ def test_errors_cross_processes_whole():
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.code, str(copy), copy.retryable) == (error.code, BUSY, True)
     assert repr(copy) == f"ReducerError(RESOURCE_EXHAUSTED, {BUSY!r})"
+
+
+def test_first_cause_prefers_a_daemon_gone_over_its_echo():
+    """A bucket that timed out on a surviving daemon (DEADLINE_EXCEEDED: a
+    rank never sent) is the echo of one that failed on the daemon that went
+    away (UNAVAILABLE): first_cause picks the latter among what already
+    failed, and waits for nothing."""
+    from concurrent.futures import Future
+
+    from reducer_client.errors import first_cause
+
+    def failed(code: grpc.StatusCode, message: str) -> Future:
+        future: Future = Future()
+        future.set_exception(ReducerError(code, message))
+        return future
+
+    echo = ReducerError(grpc.StatusCode.DEADLINE_EXCEEDED, "daemon b: no contribution from rank 1")
+    gone = failed(grpc.StatusCode.UNAVAILABLE, "daemon a: connection refused")
+    pending, done, cancelled = Future(), Future(), Future()
+    done.set_result(None)
+    cancelled.cancel()
+    others = [pending, done, cancelled, failed(grpc.StatusCode.INTERNAL, "x"), gone]
+    assert first_cause(echo, others) is gone.exception()
+    assert first_cause(echo, [pending, done, cancelled]) is echo  # nothing better yet
+    own = ReducerError(grpc.StatusCode.UNAVAILABLE, "daemon c: gone too")
+    assert first_cause(own, others) is own  # already the cause
+    bug = ValueError("bad input")
+    assert first_cause(bug, [gone]) is bug  # not a reduction's failure: never hidden

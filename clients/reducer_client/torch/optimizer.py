@@ -36,6 +36,7 @@ import torch
 from reducer_wire import dtypes
 
 from reducer_client.api import Reducer
+from reducer_client.errors import first_cause
 from reducer_client.torch._basics import next_index, resolve
 from reducer_client.torch._tensors import Staging, flat_dtype, staging_for
 from reducer_client.torch.overlap import ForwardOverlap
@@ -166,11 +167,22 @@ class _GradientReducer:
             return any(b.launched for b in self.buckets)
 
     def synchronize(self) -> None:
-        """Start the buckets still open, wait for all, set the averaged gradients."""
+        """Start the buckets still open, wait for all, set the averaged gradients.
+
+        Where a bucket fails while another already failed because its daemon
+        went away, the latter is raised (errors.first_cause), with the first
+        as its context."""
         try:
             self.launch_missing()
             for bucket in self.buckets:
-                self.finish(bucket)
+                try:
+                    self.finish(bucket)
+                except Exception as exc:
+                    cause = first_cause(exc, [b.future for b in self.buckets
+                                              if b.future is not None and b is not bucket])
+                    if cause is exc:
+                        raise
+                    raise cause  # the deadline error stays its __context__
         finally:
             self.reset()
 
