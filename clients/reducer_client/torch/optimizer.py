@@ -182,7 +182,7 @@ class _GradientReducer:
                                               if b.future is not None and b is not bucket])
                     if cause is exc:
                         raise
-                    raise cause  # the deadline error stays its __context__
+                    raise cause  # noqa: B904 (the echo is not its cause: kept as __context__)
         finally:
             self.reset()
 
