@@ -4,15 +4,23 @@ A small MLP learns a teacher's function with Adam. One input feature, which
 the teacher ignores, is 300x the scale of the others, so its weights'
 gradients share int8 blocks with gradients ~300x smaller: below half a
 quantization step, those round to zero on every step unless error feedback
-(reducer_client.feedback) carries them into later steps. After the same
-steps, on the same per-rank batches:
-- int8 with error feedback reaches a final loss within MARGIN (15 %) of
-  float32 training (measured: -3.0 % with the DistributedOptimizer on 4
-  ranks, -1.4 % with the DDP hook on 2 workers);
-- without it the loss is +11 % and +67 % above float32's (printed, and
-  checked worse than with feedback). The DistributedOptimizer's was +50 %
-  while its presence flags shared an int8 block with the bucket's last
-  gradients (test_optimizer_int8_blocks.py).
+(reducer_client.feedback) carries them into later steps.
+
+One training run's final loss says little: from one seed to the next the
+float32 run's alone moved by 1.4x, and with Adam at lr 0.01 (this test's
+first version) by 2x, so a single seeded run passed on one CPU model and
+failed on another (AMD EPYC Zen 4: +23 % with feedback, -5 % without: the
+float32 run's own numerics differ by CPU). So each system trains from
+SEEDS students, on the same per-rank batches, the loss is the evaluation
+loss averaged over the last TAIL steps, and systems compare by its mean
+over the seeds:
+- int8 with error feedback within MARGIN (20 %) of float32 (measured on
+  Zen 4: +9.0 % with the DistributedOptimizer on 4 ranks, +11.1 % with the
+  DDP hook on 2 workers; over 6 seeds on 4 ranks +13.8 %);
+- without feedback worse than with it (measured +23.7 % and +27.3 %).
+  The DistributedOptimizer's was far worse while its presence flags
+  shared an int8 block with the bucket's last gradients
+  (test_optimizer_int8_blocks.py).
 DistributedOptimizer runs on LocalGroup (ranks as threads, the daemon's
 numerics); the DDP hook on real daemons with spawned workers.
 """
@@ -36,8 +44,10 @@ from torch import nn  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 STEPS = 150
-LR = 0.01
-MARGIN = 0.15  # relative to the float32 run's final loss
+LR = 0.003
+TAIL = 30  # the loss: evaluated after each of the last TAIL steps, averaged
+SEEDS = (0, 1, 2, 3)  # students; the systems compare by the mean over them
+MARGIN = 0.20  # relative to the float32 runs' mean loss
 SYSTEMS = (("float32", None), ("int8", True), ("int8", False))
 
 
@@ -46,8 +56,8 @@ def _teacher() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def make_student() -> nn.Module:
-    torch.manual_seed(0)
+def make_student(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                          nn.Linear(64, 4))
 
@@ -71,12 +81,28 @@ def eval_loss(model: nn.Module) -> float:
         return nn.functional.mse_loss(model(x), y).item()
 
 
-def check(losses: dict[str, float]) -> None:
+def check(per_seed: dict[str, list[float]]) -> None:
+    """per_seed: each system's loss for each of SEEDS."""
+    losses = {name: sum(values) / len(values) for name, values in per_seed.items()}
     base, fed, plain = losses["float32"], losses["int8+feedback"], losses["int8"]
-    print(f"final loss: float32 {base:.5f}, int8 with feedback {fed:.5f} "
+    print(f"per seed: {per_seed}")
+    print(f"mean loss: float32 {base:.5f}, int8 with feedback {fed:.5f} "
           f"({(fed - base) / base:+.1%}), int8 without {plain:.5f} ({(plain - base) / base:+.1%})")
     assert abs(fed - base) <= MARGIN * base, losses
     assert plain > fed, losses  # what feedback is for: the small gradients got through
+
+
+def train(opt, model: nn.Module, rank: int) -> float:
+    """STEPS steps on this rank's batches; the evaluation loss averaged over the last TAIL."""
+    tail = []
+    for step in range(STEPS):
+        x, y = data(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step >= STEPS - TAIL:
+            tail.append(eval_loss(model.module if hasattr(model, "module") else model))
+    return sum(tail) / len(tail)
 
 
 def _optimizer_rank(rank: int, reducer, model: nn.Module, feedback: bool | None) -> float:
@@ -84,51 +110,44 @@ def _optimizer_rank(rank: int, reducer, model: nn.Module, feedback: bool | None)
         rt.set_error_feedback(feedback, reducer)
     opt = rt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR),
                                   named_parameters=model.named_parameters(), reducer=reducer)
-    for step in range(STEPS):
-        x, y = data(step, rank)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return eval_loss(model)
+    return train(opt, model, rank)
 
 
 def test_distributed_optimizer_int8_with_feedback_trains_like_float32():
     torch.set_num_threads(1)
     world, losses = 4, {}
-    for wire, feedback in SYSTEMS:
-        group = LocalGroup(world, wire_dtype=wire, timeout=60)
-        models = [make_student() for _ in range(world)]  # seeded: identical
-        with ThreadPoolExecutor(world) as pool:
-            results = [pool.submit(_optimizer_rank, rank, group.client(rank), models[rank],
-                                   feedback) for rank in range(world)]
-            finals = [f.result(240) for f in results]
-        assert len(set(finals)) == 1  # every rank ends with the same model
-        losses[wire + ("+feedback" if feedback else "")] = finals[0]
+    for seed in SEEDS:
+        for wire, feedback in SYSTEMS:
+            group = LocalGroup(world, wire_dtype=wire, timeout=60)
+            models = [make_student(seed) for _ in range(world)]  # seeded: identical
+            with ThreadPoolExecutor(world) as pool:
+                results = [pool.submit(_optimizer_rank, rank, group.client(rank),
+                                       models[rank], feedback) for rank in range(world)]
+                finals = [f.result(240) for f in results]
+            assert len(set(finals)) == 1  # every rank ends with the same model
+            losses.setdefault(wire + ("+feedback" if feedback else ""), []).append(finals[0])
     check(losses)
 
 
-def ddp_worker(rank: int, world: int, addresses: list[str], init_file: str, job: str) -> dict:
+def ddp_worker(rank: int, world: int, addresses: list[str], init_file: str,
+               job: str) -> dict[str, list[float]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    losses = {}
+    losses: dict[str, list[float]] = {}
     try:
-        for wire, feedback in SYSTEMS:
-            name = wire + ("+feedback" if feedback else "")
-            with ReducerClient(addresses, job=f"{job}-{name}", rank=rank, world_size=world,
-                               wire_dtype=wire, timeout=60) as client:
-                rt.set_error_feedback(bool(feedback), client)
-                model = DDP(make_student())
-                model.register_comm_hook(state=client, hook=rt.allreduce_hook)
-                opt = torch.optim.Adam(model.parameters(), lr=LR)
-                for step in range(STEPS):
-                    x, y = data(step, rank)
-                    opt.zero_grad()
-                    nn.functional.mse_loss(model(x), y).backward()
-                    opt.step()
-                losses[name] = eval_loss(model.module)
+        for seed in SEEDS:
+            for wire, feedback in SYSTEMS:
+                name = wire + ("+feedback" if feedback else "")
+                with ReducerClient(addresses, job=f"{job}-{name}-{seed}", rank=rank,
+                                   world_size=world, wire_dtype=wire, timeout=60) as client:
+                    rt.set_error_feedback(bool(feedback), client)
+                    model = DDP(make_student(seed))
+                    model.register_comm_hook(state=client, hook=rt.allreduce_hook)
+                    opt = torch.optim.Adam(model.parameters(), lr=LR)
+                    losses.setdefault(name, []).append(train(opt, model, rank))
     finally:
         dist.destroy_process_group()
     return losses
