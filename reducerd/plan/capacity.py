@@ -48,22 +48,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from reducer_wire.layout import (
-    DEFAULT_CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
-    PIPELINE_CHUNKS_PER_DAEMON,
-    chunk_count,
-    pipelined_chunk_bytes,
-)
+from reducer_wire.layout import MIN_CHUNK_BYTES, chunk_count, pipelined_chunk_bytes
 
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
            "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
            "link_efficiency",
            "efficiency",
-           "PIPELINE_CHUNKS_PER_DAEMON", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES"]
+           "MIN_CHUNK_BYTES"]
 
-# The client's default chunking: the one layout rule both sides import.
-MAX_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
 # Per packet: IPv4 20 + TCP 20 + timestamps 12 inside the MTU; Ethernet header
 # 14, FCS 4, preamble 8 and inter-frame gap 12 outside it.
 TCP_IP_HEADER_BYTES = 52
@@ -165,7 +157,7 @@ def link_efficiency(mtu: int) -> float:
 
 def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
     """The client's default chunk size for one key of `model_bytes` over `daemons`."""
-    return pipelined_chunk_bytes(model_bytes, daemons, MAX_CHUNK_BYTES)
+    return pipelined_chunk_bytes(model_bytes, daemons)  # the layout rule's, as the client
 
 
 def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,

@@ -196,3 +196,11 @@ def test_a_bert_large_step_of_small_buckets_stays_balanced_over_the_daemons():
                 chunks += 1
         assert max(load) <= 1.15 * sum(load) / daemons, (daemons, load)
         assert chunks <= 3 * len(buckets)
+
+
+def test_the_old_import_path_is_the_same_rule():
+    """Scripts that import reducer_client.layout get reducer_wire.layout's objects."""
+    import reducer_client.layout as old
+    import reducer_wire.layout as rule
+
+    assert all(getattr(old, name) is getattr(rule, name) for name in old.__all__)

@@ -398,15 +398,15 @@ def test_a_pooled_chunk_leaves_nothing_for_the_cyclic_gc(loop_and_pool):
 _POOLED_RSS_SCRIPT = """
 import gc, json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import os
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducerd.bench.procs import proc_status
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing import SummingPool
 
 def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
+    return proc_status(os.getpid())["VmRSS"]
 
 posted = []
 pool = SummingPool(2)

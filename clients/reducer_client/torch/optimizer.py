@@ -36,7 +36,7 @@ import torch
 from reducer_wire import dtypes
 
 from reducer_client.api import Reducer
-from reducer_client.errors import first_cause
+from reducer_client.errors import ReducerError, first_cause
 from reducer_client.torch._basics import next_index, resolve
 from reducer_client.torch._tensors import Staging, flat_dtype, staging_for
 from reducer_client.torch.overlap import ForwardOverlap
@@ -177,12 +177,9 @@ class _GradientReducer:
             for bucket in self.buckets:
                 try:
                     self.finish(bucket)
-                except Exception as exc:
-                    cause = first_cause(exc, [b.future for b in self.buckets
-                                              if b.future is not None and b is not bucket])
-                    if cause is exc:
-                        raise
-                    raise cause  # noqa: B904 (the echo is not its cause: kept as __context__)
+                except ReducerError as exc:
+                    others = [b.future for b in self.buckets if b.future and b is not bucket]
+                    raise first_cause(exc, others)  # noqa: B904 (exc stays its __context__)
         finally:
             self.reset()
 
