@@ -33,8 +33,10 @@ def table(path: Path) -> str:
     emulated = bool(config.get("emulate_cluster"))
     where = f"{config['emulate_cluster']} links" if emulated else "loopback"
     daemons = config.get("reducerd_daemons") or {}
+    rate = daemons.get("input_GB_per_cpu_s")
+    rate_text = "not measured" if rate is None else f"{rate:.2f} GB of input per CPU-second"
     title = (f"**N={config['workers']}, D={config['daemons']}, {where}** (`{path.name}`; "
-             f"daemons: {daemons.get('input_GB_per_cpu_s', 0):.2f} GB of input per CPU-second)")
+             f"daemons: {rate_text})")
     ratios = time_ratios(results)
     if emulated:
         lines = ["| size | system | median ms | reducerd / this | sent per worker | theory "

@@ -51,6 +51,7 @@ def _available(config: BenchConfig, mxnet_python: Path,
 # daemons, the tcp-floor's echo servers): their input per CPU-second is
 # reported. The floor's is what plain TCP costs a process on this machine.
 _SERVER_CPU_SYSTEMS = frozenset({"reducerd", *REDUCERD_WIRE_BASELINES, *TCP_FLOOR_SYSTEMS})
+CPU_TICKS_TO_MEASURE = 5  # the least CPU time, in /proc clock ticks, a rate is given for
 
 
 def _daemon_efficiency(config: BenchConfig, system: str, daemons: list[Proc],
@@ -64,8 +65,10 @@ def _daemon_efficiency(config: BenchConfig, system: str, daemons: list[Proc],
                       for size in config.sizes_bytes)
     input_bytes -= wire_nbytes(wire, config.sizes_bytes[0] // 4) * config.workers
     cpu_s = sum(cpu_seconds(d.process.pid) for d in daemons) - cpu_after_first_step
+    # /proc counts CPU time in clock ticks: under a few of them the rate is noise.
+    measurable = cpu_s >= CPU_TICKS_TO_MEASURE / os.sysconf("SC_CLK_TCK")
     return {"input_bytes": input_bytes, "cpu_s": round(cpu_s, 3),
-            "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if cpu_s else 0.0}
+            "input_GB_per_cpu_s": round(input_bytes / 1e9 / cpu_s, 3) if measurable else None}
 
 
 def _run_system(system: str, config: BenchConfig, placement: Placement, procs: ProcessSet,
@@ -151,7 +154,9 @@ def _report(session: BenchSession, config: BenchConfig, systems: list[str],
         render_table(results_console(), config, results)
     for system, figures in stats.items():
         kind = "daemon" if system.startswith("reducerd") else "echo server"
-        console.print(f"{system} {kind}s: {figures['input_GB_per_cpu_s']:.2f} GB of "
+        rate = figures["input_GB_per_cpu_s"]
+        rate_text = "too little CPU time to measure" if rate is None else f"{rate:.2f} GB"
+        console.print(f"{system} {kind}s: {rate_text} of "
                       f"{config.wire_dtype_of(system)} input per {kind} CPU-second "
                       f"({figures['input_bytes'] / 1e9:.2f} GB in {figures['cpu_s']:.2f} s)")
     if config.json_path:
