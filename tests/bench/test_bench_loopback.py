@@ -98,7 +98,8 @@ def test_reducerd_over_float16_beside_the_int8_wire_in_one_run(tmp_path: Path):
             assert figures["input_GB_per_cpu_s"] is None, servers
         else:
             expected = figures["input_bytes"] / 1e9 / figures["cpu_s"]
-            assert figures["input_GB_per_cpu_s"] == pytest.approx(expected, rel=0.02, abs=0.001), servers
+            rate = figures["input_GB_per_cpu_s"]
+            assert rate == pytest.approx(expected, rel=0.02, abs=0.001), servers
     assert "reducerd-float16 daemons:" in done.stderr
     assert "reducerd-float16" in done.stdout  # its row, with its ratio
     assert re.search(r"reducerd-float16\s.*\d\.\d\dx", done.stdout), done.stdout
