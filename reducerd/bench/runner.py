@@ -55,7 +55,7 @@ CPU_TICKS_TO_MEASURE = 5  # the least CPU time, in /proc clock ticks, a rate is 
 
 
 def _daemon_efficiency(config: BenchConfig, system: str, daemons: list[Proc],
-                       cpu_after_first_step: float) -> dict[str, float]:
+                       cpu_after_first_step: float) -> dict[str, float | None]:
     """What the daemons (or echo servers) received per CPU-second they used,
     from the end of the sweep's first step (start-up, imports and connecting
     left out) to its end."""
