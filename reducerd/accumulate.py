@@ -52,7 +52,7 @@ def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
     fast = convert.kernels()
     if (fast is not None and dtype != pb.DTYPE_FLOAT32 and acc.dtype == np.float32
-            and acc.flags.c_contiguous and acc.ctypes.data % 4 == 0):
+            and acc.flags.c_contiguous and acc.flags.aligned):
         if dtype == pb.DTYPE_BFLOAT16:
             fast.bf16_add(acc, raw)
         else:

@@ -53,7 +53,7 @@ def result_reply(*, job: str, key: str, round: int, offset: int, dtype: int, op:
                            world_size=world_size, data_nbytes=nbytes)
     lead = FRAME_HEADER_BYTES + encoder.nbytes - nbytes  # a result has no field after data
     block = np.empty(_PAYLOAD_ALIGN - 1 + FRAME_HEADER_BYTES + encoder.nbytes, dtype=np.uint8)
-    start = -(block.ctypes.data + lead) % _PAYLOAD_ALIGN
+    start = -(block.__array_interface__["data"][0] + lead) % _PAYLOAD_ALIGN
     frame = block[start:start + FRAME_HEADER_BYTES + encoder.nbytes].data
     frame[:FRAME_HEADER_BYTES] = frame_header(SHARD, encoder.nbytes)
     payload = encoder.write_into(frame[FRAME_HEADER_BYTES:])

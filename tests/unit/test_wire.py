@@ -85,6 +85,17 @@ def test_add_accumulates_in_float32(dtype):
     assert np.float16(2048) + np.float16(1) == np.float16(2048)  # what a float16 ring does
 
 
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16])
+def test_add_into_an_unaligned_accumulator_takes_numpy_and_sums_right(dtype):
+    """The C kernels need a 4-byte aligned accumulator (they refuse another);
+    add_wire_into checks the array's alignment and sums an odd one in NumPy."""
+    acc = np.frombuffer(bytearray(4 * 8 + 1), np.float32, count=8, offset=1)
+    assert not acc.flags.aligned
+    acc[...] = 1.5
+    accumulate.add_wire_into(acc, convert.to_wire(np.arange(8.0), dtype).tobytes(), dtype)
+    assert acc.tolist() == [1.5 + i for i in range(8)]
+
+
 def test_float16_widening_matches_numpy_for_every_value():
     bits = np.arange(1 << 16, dtype=np.uint16)
     got = np.empty(bits.size, dtype=np.float32)

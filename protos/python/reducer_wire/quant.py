@@ -197,8 +197,8 @@ def add_int8(acc: np.ndarray, data: bytes | memoryview | np.ndarray,
     """acc += the decoded int8 wire bytes (float32 acc, 1-D): one rounding each."""
     raw = _bytes(data)
     _check_int8(acc.size, raw.size, block, "add_int8")
-    if (use_c and _built is not None and acc.flags.c_contiguous
-            and acc.ctypes.data % 4 == 0):
+    if (use_c and _built is not None and acc.dtype == np.float32
+            and acc.flags.c_contiguous and acc.flags.aligned):
         _built.q8_add(acc, raw, block)
         return
     np.add(acc, _decoded_int8(raw, acc.size, block), out=acc)
@@ -312,8 +312,8 @@ def add_fp8(acc: np.ndarray, data: bytes | memoryview | np.ndarray, fmt: Fp8Form
     """acc += the values of FP8 codes (float32 acc, 1-D): one rounding each."""
     raw = _bytes(data)
     _check_fp8(acc.size, raw.size, f"add_fp8 ({fmt.name})")
-    if (use_c and _built is not None and acc.flags.c_contiguous
-            and acc.ctypes.data % 4 == 0):
+    if (use_c and _built is not None and acc.dtype == np.float32
+            and acc.flags.c_contiguous and acc.flags.aligned):
         _built.fp8_add(acc, raw, fmt.kind)
         return
     table = _TABLES[fmt.kind]
