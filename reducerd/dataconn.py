@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 from reducer_wire.codec import DecodeError, ShardView
 from reducer_wire.framing import (
     HELLO,
@@ -43,10 +44,11 @@ from reducer_wire.framing import (
     SHARD,
     FrameError,
     FrameTimeout,
+    TruncatedFrame,
     read_frame,
     read_header,
-    read_payload,
     recv_exactly,
+    recv_ready,
     set_receive_tick,
     shutdown_quietly,
     status_frame,
@@ -269,13 +271,22 @@ class Connection:
         self.plane.backlog.release()
 
     def _receive(self, length: int) -> memoryview:
-        """A payload, within the frame timeout of its header."""
+        """A payload, within the frame timeout of its header, into a fresh
+        buffer. What the socket already holds is taken without waiting; only
+        a payload still arriving needs the receive tick (two setsockopt calls)."""
+        deadline_s = time.monotonic() + self.plane.limits.frame_timeout_s
+        payload = np.empty(length, np.uint8).data
+        got = recv_ready(self.sock, payload) if self.io is self.sock else 0
+        if got == length:
+            return payload
         set_receive_tick(self.sock, _RECEIVE_TICK_S)
         try:
-            return read_payload(self.io, length,
-                                time.monotonic() + self.plane.limits.frame_timeout_s)
+            if not recv_exactly(self.io, payload[got:], deadline_s):
+                raise TruncatedFrame(f"connection ended inside a frame ({got} of {length} "
+                                     f"bytes)")
         finally:
             set_receive_tick(self.sock, None)
+        return payload
 
     def _skip(self, length: int) -> None:
         """Read and drop `length` bytes (nothing is reserved for them)."""

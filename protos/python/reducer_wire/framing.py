@@ -26,8 +26,8 @@ from reducer_wire.codes import status_code_from_value
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
            "Receiver", "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header",
            "read_header", "read_payload", "read_frame", "send_frame", "status_frame",
-           "parse_status", "recv_exactly", "send_at_once", "set_receive_tick", "shutdown_quietly",
-           "tune_socket"]
+           "parse_status", "recv_exactly", "recv_ready", "send_at_once", "set_receive_tick",
+           "shutdown_quietly", "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
@@ -103,6 +103,16 @@ def recv_exactly(sock: Receiver, view: memoryview, deadline_s: float | None = No
         if deadline_s is not None and got < len(view) and time.monotonic() >= deadline_s:
             raise FrameTimeout(f"{got} of {len(view)} bytes arrived by the deadline")
     return True
+
+
+def recv_ready(sock: socket.socket, view: memoryview) -> int:
+    """Bytes of `view` filled from what the socket already holds, without
+    waiting: 0 when nothing is there yet (or the peer closed: the next
+    blocking receive says which)."""
+    try:
+        return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
 
 
 def read_header(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
