@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
+from itertools import takewhile
 
 import numpy as np
 
@@ -146,13 +147,9 @@ class ReductionTable:
 
     def stalled_count(self, older_than_s: float) -> int:
         """Open chunks at least `older_than_s` old (without listing them)."""
-        now = self._clock()
-        count = 0
-        for c in self._open.values():
-            if now - c.started_s < older_than_s:
-                break
-            count += 1
-        return count
+        now = self._clock()  # opened in order: count up to the first younger one
+        return sum(1 for _ in takewhile(lambda c: now - c.started_s >= older_than_s,
+                                        self._open.values()))
 
     # -- updates -------------------------------------------------------------
 
@@ -222,7 +219,8 @@ class ReductionTable:
         for cid, c in self._open.items():
             if now - c.started_s < self.round_timeout_s:
                 break  # opened in order: the rest are younger
-            late.append(cid)
+            if len(c.ranks) < c.world_size:  # a complete one is being summed: it lands
+                late.append(cid)
         deliveries = []
         for cid in late:
             chunk = self._open[cid]

@@ -446,3 +446,29 @@ def test_pooled_chunks_hold_no_memory_once_done_measured_in_vmrss():
     figures = json.loads(done.stdout)
     assert figures["open"] == 0
     assert figures["after"] - figures["before"] < 32 << 20, figures
+
+
+def test_a_complete_chunk_still_being_summed_is_not_timed_out(loop_and_pool):
+    """The last contribution came just before the round timeout and the
+    summing thread's result has not landed when the loop's expiry tick runs:
+    the result is still delivered, as inline, not DEADLINE_EXCEEDED naming
+    no missing rank."""
+    now = [0.0]
+    loop, pool, table, delivered = pooled_table(loop_and_pool, clock=lambda: now[0])
+    cid = ChunkId("job", "k", 0, 0)
+    assert table.contribute(cid, part(0, [1.0] * 8, 2), "a") == []
+    now[0] = 4.999
+    assert table.contribute(cid, part(1, [2.0] * 8, 2), "b") == []
+    assert pool.wait_idle(WAIT_S)  # summed; its landing is posted, not yet run
+    now[0] = 5.0
+    assert table.expire() == []
+    loop.run(pool)
+    assert [(d.error_code, d.chunk) for d in delivered] == [("", cid)]
+    assert np.frombuffer(delivered[0].data, np.float16).tolist() == [3.0] * 8
+    assert table.open_chunk_count == 0 and table.bytes_held == 0
+    # A chunk still missing a rank at the timeout fails as before.
+    other = ChunkId("job", "k", 1, 0)
+    table.contribute(other, part(0, [1.0] * 8, 2), "a")
+    now[0] = 10.0
+    [late] = table.expire()
+    assert late.error_code == "DEADLINE_EXCEEDED" and "rank(s) 1 of 2" in late.error_message
