@@ -342,6 +342,8 @@ class ReducerClient:
         try:
             self._inflight.add(operation)
             for index, chunk in enumerate(chunks):
+                if operation.settled:  # failed meanwhile: send no more of it
+                    break
                 link = self._links[chunk.daemon]
                 encoder = ShardEncoder(job=self.job, rank=rank, world_size=world_size,
                                        round=round_, key=key, offset=chunk.offset,
@@ -361,13 +363,17 @@ class ReducerClient:
                           priority)
         except ReducerError as exc:
             operation.fail(exc)
+        if operation.settled:  # a chunk sent just after its failure dropped the rest: drop it
+            self._forget(operation)
         return operation
 
     def _settled(self, operation: Operation, error: ReducerError | None) -> None:
         """Stop watching the operation; if it failed, drop its chunks from every link."""
         self._inflight.discard(operation)
-        if error is None:
-            return
+        if error is not None:
+            self._forget(operation)
+
+    def _forget(self, operation: Operation) -> None:
         by_link: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
         for chunk in operation.chunks:
             by_link[chunk.daemon].append((operation.key, operation.round, chunk.offset))

@@ -310,11 +310,12 @@ class DaemonLink:
         with self._lock:
             entry = self._pending.pop((reply.key, reply.round, reply.offset), None)
             self._alive_s = now
-            if entry is not None and not reply.error_code:
-                self._history.completed((reply.key, reply.offset), reply.round,
-                                        entry.message, now)
+            if not reply.error_code:  # any result, a resent one's too: the daemon is back
                 self._retries = 0
                 self.last_error = None
+                if entry is not None:
+                    self._history.completed((reply.key, reply.offset), reply.round,
+                                            entry.message, now)
         if entry is None:
             return  # a late reply to an operation that gave up, or a repeat
         if reply.error_code:

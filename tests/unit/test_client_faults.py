@@ -1,0 +1,87 @@
+"""ReducerClient over in-process fake daemons (transport/fake.py): what an
+operation leaves behind when it fails, and which error a timeout names."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from reducer_client import ReducerClient
+from reducer_client.errors import ReducerError
+from reducer_client.transport.fake import FakeDaemon
+from reducer_client.transport.link import DaemonLink
+
+WAIT_S = 10.0
+
+
+def fake_client(daemons: list[FakeDaemon], rank: int, world_size: int,
+                **kwargs) -> ReducerClient:
+    """A ReducerClient whose links reach `daemons` in process (gRPC-shaped)."""
+    client = ReducerClient([f"127.0.0.1:{1 + i}" for i in range(len(daemons))], job="j",
+                           rank=rank, world_size=world_size, node_local=False,
+                           data_plane="grpc", **kwargs)
+    for link in client._links:
+        link.close()
+    client._links = [DaemonLink(f"fake:{i}", control=d, transports=[d.transport("grpc")])
+                     for i, d in enumerate(daemons)]
+    return client
+
+
+@pytest.fixture
+def clients():
+    made: list[ReducerClient] = []
+
+    def make(*args, **kwargs) -> ReducerClient:
+        made.append(fake_client(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def test_an_operation_that_fails_while_still_queueing_leaves_no_chunk_behind(clients):
+    """Daemon 0 fails the key in band while the client is still cutting a
+    large array into small chunks: the chunks queued after the failure are
+    not sent for ever, nor left waiting on the links until a deadline that
+    nobody watches any more."""
+    first, second = FakeDaemon(), FakeDaemon()
+    first.fail_key("k", grpc.StatusCode.RESOURCE_EXHAUSTED, "over --max-inflight-bytes")
+    client = clients([first, second], 0, 2, timeout=30.0, chunk_bytes=1024)
+    started = time.monotonic()
+    future = client.allreduce_async(np.ones(2_000_000, np.float32), "k")
+    with pytest.raises(ReducerError) as failed:
+        future.result(WAIT_S)
+    assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert time.monotonic() - started < WAIT_S
+    assert [len(link._pending) for link in client._links] == [0, 0]
+    assert len(client._inflight) == 0
+    sent = len(second.contributions("k"))
+    assert sent < 2_000_000 * 4 // 1024 // 2  # it stopped sending the rest
+
+
+def test_a_timeout_after_a_reconnect_that_worked_is_no_daemon_outage(clients):
+    """The stream broke once and the daemon answered again on the new one;
+    then a peer rank never sends: the timeout is DEADLINE_EXCEEDED naming the
+    round, not UNAVAILABLE blaming the daemon with the old stream's error."""
+    daemon = FakeDaemon()
+    rank0 = clients([daemon], 0, 2, timeout=1.5)
+    rank1 = clients([daemon], 1, 2, timeout=1.5)
+    warm = [c.allreduce_async(np.ones(8, np.float32), "w") for c in (rank0, rank1)]
+    assert [f.result(WAIT_S).tolist() for f in warm] == [[2.0] * 8] * 2
+    future = rank0.allreduce_async(np.ones(8, np.float32), "k")  # rank 1 never sends it
+    deadline = time.monotonic() + WAIT_S
+    while not daemon.contributions("k"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    daemon.drop_streams()
+    link = rank0._links[0]
+    while not (link.reconnects and len(daemon.contributions("w", rank=0)) > 1):
+        assert time.monotonic() < deadline, "no resend reached the daemon"
+        time.sleep(0.01)
+    with pytest.raises(ReducerError) as late:
+        future.result(WAIT_S)
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, late.value
+    assert "key 'k' round 0" in str(late.value)
