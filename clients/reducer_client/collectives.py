@@ -13,7 +13,8 @@ travels beside the data, so an agreeing call still costs one round trip;
 its bytes are world_size x ROW x 4 (124 per rank).
 
 The data then goes under one key, "hvd/data" ("hvd/gather" for allgather),
-so calls pair up in call order, as the control round checks anyway.
+so calls pair up in call order, as the control round checks anyway (a call
+takes both rounds under one lock, so calls from several threads pair alike).
 
 join: a rank out of data calls join() and takes part in every control round
 with an empty row; for each call the others make, it sends what they expect
@@ -40,10 +41,9 @@ from reducer_client.api import Reducer
 from reducer_client.compression import allreduce_async_on_wire
 from reducer_client.errors import ReducerError
 
-__all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW",
-           "control_async", "own_rows", "allreduce_async", "broadcast_async", "allgather_async",
-           "check", "active_count", "call_shape", "join", "register_shadow",
-           "FLOAT_DTYPES"]
+__all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW", "control_async",
+           "own_rows", "allreduce_async", "broadcast_async", "allgather_async", "check",
+           "active_count", "call_shape", "join", "register_shadow", "FLOAT_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
 ALLREDUCE, BROADCAST, ALLGATHER, STEP, CHECK = 1, 2, 3, 4, 5
@@ -86,8 +86,7 @@ class Call:
     signature: str = ""
 
     def describe(self) -> str:
-        what = _KINDS[self.kind]
-        return what if self.name is None else f"{what} {self.name!r}"
+        return _KINDS[self.kind] + ("" if self.name is None else f" {self.name!r}")
 
 
 def _hash24(text: str) -> int:
@@ -123,9 +122,7 @@ def _row(call: Call) -> np.ndarray:
 
 def _shape_of(row: np.ndarray) -> tuple[int, ...] | str:
     ndim = int(row[_NDIM])
-    if ndim > _MAX_DIMS:
-        return f"{ndim}-d"
-    return tuple(_get(row, _DIMS + 2 * i) for i in range(ndim))
+    return f"{ndim}-d" if ndim > _MAX_DIMS else tuple(_get(row, _DIMS + 2 * i) for i in range(ndim))
 
 
 def _dtype_of(row: np.ndarray) -> str:
@@ -195,6 +192,8 @@ class _Session:
         self.shadows: dict[int, Callable[[np.ndarray], None]] = {}
         self.next_tag = 1
         self.gather = ThreadPoolExecutor(1, thread_name_prefix="reducer-allgather")
+        # Held across a call's control and data rounds: threads' calls pair alike on every rank.
+        self.calls = threading.Lock()
 
     def count_round(self) -> int:
         with self._lock:
@@ -290,10 +289,11 @@ def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
     A rank with values=None still sends zeros, so the rounds stay paired and
     every rank gets the same error from the control round.
     """
-    control = control_async(reducer, call)
     send = values if values is not None else np.zeros(call.data_numel, np.float32)
-    data = allreduce_async_on_wire(reducer, send, DATA_KEY, call.op or "sum", call.wire,
-                                   out if values is not None else None)
+    with _session(reducer).calls:
+        control = control_async(reducer, call)
+        data = allreduce_async_on_wire(reducer, send, DATA_KEY, call.op or "sum", call.wire,
+                                       out if values is not None else None)
     world = reducer.world_size
 
     def finish(result: object, rows: np.ndarray, active: int) -> np.ndarray:
@@ -306,13 +306,13 @@ def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
 
 def broadcast_async(reducer: Reducer, encoded: np.ndarray, call: Call) -> Future[np.ndarray]:
     """Checked broadcast of exact float32 `encoded` values (exact.encode_exact)."""
-    control = control_async(reducer, call)
-    root = call.root_rank
-    if root is not None and 0 <= root < reducer.world_size:
-        data = reducer.broadcast_async(encoded, DATA_KEY, root)
-    else:  # the control round reports it on every rank; keep the rounds paired
-        data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), DATA_KEY, "sum",
-                                       "float32")
+    with _session(reducer).calls:
+        control = control_async(reducer, call)
+        if call.root_rank is not None and 0 <= call.root_rank < reducer.world_size:
+            data = reducer.broadcast_async(encoded, DATA_KEY, call.root_rank)
+        else:  # the control round reports it on every rank; keep the rounds paired
+            data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), DATA_KEY, "sum",
+                                           "float32")
     return _chain(control, call, lambda rows, active: data, lambda r, rows, a: r)
 
 
@@ -332,7 +332,6 @@ def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
     costs world_size times the bytes of a ring allgather's input per rank.
     The future holds (all rows, rows per rank).
     """
-    control = control_async(reducer, call)
     session = _session(reducer)
     rank = reducer.rank
 
@@ -346,7 +345,9 @@ def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
         return allreduce_async_on_wire(reducer, total, GATHER_KEY, "sum", "float32",
                                        out=total).result()
     # The second round goes out from one thread, in call order: the same on every rank.
-    data = session.gather.submit(gather)
+    with session.calls:
+        control = control_async(reducer, call)
+        data = session.gather.submit(gather)
     return _chain(control, call, lambda rows, active: data,
                   lambda result, rows, active: (result, _gather_rows(rows)))
 

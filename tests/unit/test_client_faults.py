@@ -3,6 +3,7 @@ operation leaves behind when it fails, and which error a timeout names."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -85,3 +86,50 @@ def test_a_timeout_after_a_reconnect_that_worked_is_no_daemon_outage(clients):
         future.result(WAIT_S)
     assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, late.value
     assert "key 'k' round 0" in str(late.value)
+
+
+def test_collectives_from_two_threads_pair_their_rounds_alike_on_every_rank(clients,
+                                                                            monkeypatch):
+    """Each checked collective takes a control round and then a data round.
+    Rank 1's thread A is pre-empted between the two while its thread B makes
+    the next call: B must not take A's data round (every rank then summed A
+    with B's data, and no check saw it)."""
+    from reducer_client import collectives
+
+    daemon = FakeDaemon()
+    rank0, rank1 = clients([daemon], 0, 2), clients([daemon], 1, 2)
+    on_wire = collectives.allreduce_async_on_wire
+    b_sent = threading.Event()
+
+    def preempted(reducer, array, key, op, wire, out=None):
+        name = threading.current_thread().name
+        if reducer is rank1 and key == collectives.DATA_KEY and name == "A":
+            b_sent.wait(1.0)  # B's data round would overtake A's here
+        future = on_wire(reducer, array, key, op, wire, out)
+        if reducer is rank1 and key == collectives.DATA_KEY and name == "B":
+            b_sent.set()
+        return future
+
+    monkeypatch.setattr(collectives, "allreduce_async_on_wire", preempted)
+    results = {}
+
+    def call(client, name, value):
+        spec = collectives.Call(kind=collectives.ALLREDUCE, name=name, dtype="float32",
+                                shape=(4,), data_numel=4, op="sum", wire="float32")
+        results[(client.rank, name)] = collectives.allreduce_async(
+            client, np.full(4, value, np.float32), spec)
+
+    def in_thread(name, *args):
+        thread = threading.Thread(target=call, args=args, name=name)
+        thread.start()
+        return thread
+
+    for name, value in (("A", 1.0), ("B", 100.0)):  # rank 0: A, then B
+        in_thread(name, rank0, name, value).join(WAIT_S)
+    first = in_thread("A", rank1, "A", 1.0)
+    time.sleep(0.2)  # A has taken its control round
+    second = in_thread("B", rank1, "B", 100.0)
+    first.join(WAIT_S), second.join(WAIT_S)
+    got = {k: f.result(WAIT_S).tolist() for k, f in results.items()}
+    assert got == {(r, "A"): [2.0] * 4 for r in (0, 1)} | {(r, "B"): [200.0] * 4
+                                                           for r in (0, 1)}
