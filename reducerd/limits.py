@@ -16,7 +16,7 @@ import threading
 from collections.abc import Collection
 
 __all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
-           "missing_ranks", "describe_missing", "MemoryBudget"]
+           "FAILURES_KEPT", "missing_ranks", "describe_missing", "MemoryBudget"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
 MISSING_LISTED_AT_MOST = 64
@@ -24,6 +24,11 @@ MISSING_LISTED_AT_MOST = 64
 WORLD_SIZES_KEPT = 16
 # The daemon's accumulators leave 1/8 of --max-inflight-bytes to its connections.
 TRANSPORT_RESERVE_SHARE = 8
+# Failed chunks remembered (a late contributor hears the failure, for a round
+# timeout), the oldest forgotten first beyond this: a tenant whose every shard
+# is refused (limits, mismatches) cannot grow the table without bound (each
+# record holds its message, a few KiB with the longest names: 24 MiB at most).
+FAILURES_KEPT = 8192
 
 
 def missing_ranks(world_size: int, present: Collection[int],

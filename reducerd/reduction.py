@@ -35,6 +35,7 @@ from reducerd.chunks import (
 )
 from reducerd.config import MAX_OPEN_CHUNKS_PER_JOB
 from reducerd.limits import (
+    FAILURES_KEPT,
     MISSING_LISTED_AT_MOST,
     WORLD_SIZES_KEPT,
     MemoryBudget,
@@ -51,11 +52,8 @@ __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
 JOB_FORGET_AFTER_S = 3600.0
 
 # Status code names (the session maps them to grpc.StatusCode).
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-UNAVAILABLE = "UNAVAILABLE"
-INTERNAL = "INTERNAL"
+INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL = (
+    "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
 
 
 class ReductionTable:
@@ -321,6 +319,8 @@ class ReductionTable:
             self._release(cid, chunk, job)
         job.chunks_failed += 1
         self._failed[cid] = Failure(code, message, self._clock() + self.round_timeout_s)
+        if len(self._failed) > FAILURES_KEPT:
+            del self._failed[next(iter(self._failed))]  # the oldest
         ref = chunk or part
         assert ref is not None
         latency_s = self._clock() - chunk.started_s if chunk is not None else 0.0

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import grpc
 from reducer_wire import dtypes
-from reducer_wire.codec import DecodeError, ShardView, decode_shard
+from reducer_wire.codec import MAX_NAME_CHARS, DecodeError, ShardView, decode_shard
 
 from reducerd.access import Grant
 from reducerd.config import DEFAULT_MAX_WORLD_SIZE
@@ -146,6 +146,9 @@ def check_shard(shard: ShardView, max_world_size: int = DEFAULT_MAX_WORLD_SIZE) 
         return "job is empty"
     if not shard.key:
         return "key is empty"
+    for name, value in (("job", shard.job), ("key", shard.key)):
+        if len(value) > MAX_NAME_CHARS:
+            return f"{name} has {len(value)} characters, above the limit of {MAX_NAME_CHARS}"
     if shard.dtype not in _ROUTED_DTYPES:
         return f"dtype {shard.dtype} is unspecified or unknown"
     if shard.op not in dtypes.OP_NAMES:

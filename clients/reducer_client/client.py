@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import ShardEncoder
+from reducer_wire.codec import MAX_NAME_CHARS, ShardEncoder
 from reducer_wire.layout import (
     DEFAULT_CHUNK_BYTES,
     Chunk,
@@ -96,8 +96,9 @@ class ReducerClient:
             addresses = [a for a in addresses.split(",") if a]
         if not addresses:
             raise ValueError("addresses: give at least one daemon address HOST:PORT")
-        if not job:
-            raise ValueError("job: must be a non-empty string")
+        if not job or len(job) > MAX_NAME_CHARS:
+            raise ValueError(f"job: must be a non-empty string of at most {MAX_NAME_CHARS} "
+                             f"characters, got {job!r:.80}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
         if wire_dtype not in dtypes.WIRE_DTYPES:
@@ -264,8 +265,9 @@ class ReducerClient:
     def _start(self, array: np.ndarray, key: str, dtype: int, op: int,
                root_rank: int | None, out: np.ndarray | None = None,
                priority: int = 0) -> Future[np.ndarray]:
-        if not isinstance(key, str) or not key:
-            raise ValueError("key must be a non-empty string")
+        if not isinstance(key, str) or not key or len(key) > MAX_NAME_CHARS:
+            raise ValueError(f"key must be a non-empty string of at most {MAX_NAME_CHARS} "
+                             f"characters, got {key!r:.80}")
         array = np.asarray(array)
         if array.dtype not in _INPUT_DTYPES:
             raise TypeError(f"key {key!r}: dtype {array.dtype} is not supported; "

@@ -27,6 +27,8 @@ def test_a_valid_shard_passes():
 @pytest.mark.parametrize("fields,reason", [
     (dict(job=""), "job is empty"),
     (dict(key=""), "key is empty"),
+    (dict(job="j" * 1025), "job has 1025 characters, above the limit of 1024"),
+    (dict(key="é" * 1025), "key has 1025 characters, above the limit of 1024"),
     (dict(dtype=pb.DTYPE_UNSPECIFIED), "dtype 0 is unspecified or unknown"),
     (dict(dtype=99), "dtype 99 is unspecified or unknown"),
     (dict(dtype=-1), "dtype -1 is unspecified or unknown"),
@@ -52,6 +54,7 @@ def test_each_rule_names_its_reason(fields, reason):
     dict(op=pb.REDUCE_OP_MEAN),
     dict(dtype=BF16),
     dict(dtype=F32, data=b"\0" * 8),
+    dict(job="j" * 1024, key="k" * 1024),  # MAX_NAME_CHARS exactly
 ])
 def test_boundaries_and_every_known_dtype_and_op_pass(fields):
     assert check_shard(shard(**fields)) == ""

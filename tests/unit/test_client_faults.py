@@ -133,3 +133,20 @@ def test_collectives_from_two_threads_pair_their_rounds_alike_on_every_rank(clie
     got = {k: f.result(WAIT_S).tolist() for k, f in results.items()}
     assert got == {(r, "A"): [2.0] * 4 for r in (0, 1)} | {(r, "B"): [200.0] * 4
                                                            for r in (0, 1)}
+
+
+def test_names_over_the_daemons_limit_are_refused_before_anything_is_sent(clients):
+    from reducer_wire.codec import MAX_NAME_CHARS
+
+    daemon = FakeDaemon()
+    client = clients([daemon], 0, 1)
+    with pytest.raises(ValueError, match=f"key must be a non-empty string of at most "
+                                         f"{MAX_NAME_CHARS} characters"):
+        client.allreduce(np.ones(4, np.float32), "k" * (MAX_NAME_CHARS + 1))
+    with pytest.raises(ValueError, match="key must be a non-empty string"):
+        client.allreduce(np.ones(4, np.float32), "")
+    assert client.allreduce(np.ones(4, np.float32), "k" * MAX_NAME_CHARS).tolist() == [1.0] * 4
+    assert len(daemon.received) == 1
+    with pytest.raises(ValueError, match=f"job: must be a non-empty string of at most "
+                                         f"{MAX_NAME_CHARS}"):
+        ReducerClient(["127.0.0.1:1"], job="j" * (MAX_NAME_CHARS + 1), rank=0, world_size=1)

@@ -10,7 +10,10 @@ goes on.
 """
 
 import asyncio
+import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -147,3 +150,66 @@ def test_the_expiry_loop_outlives_a_memory_error(caplog):
         asyncio.run(run())
     assert len(calls) >= 3
     assert any("MemoryError" in (r.exc_text or "") for r in caplog.records)
+
+
+_REFUSALS_RSS_SCRIPT = """
+import json, os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+import numpy as np
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducerd.bench.procs import proc_status
+from reducerd.limits import FAILURES_KEPT
+from reducerd.reduction import ChunkId, Contribution, ReductionTable
+
+table = ReductionTable(60.0, 1 << 30, max_open_chunks_per_job=1)
+one = np.ones(1, np.float16).tobytes()
+def refused(first, count):  # one element each, every key new and 1,024 characters long
+    for i in range(first, first + count):
+        cid = ChunkId("job", f"{i:08d}".ljust(1024, "k"), 0, 0)
+        [d] = table.contribute(cid, Contribution(0, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, one), 0)
+        assert d.error_code == "RESOURCE_EXHAUSTED", d
+table.contribute(ChunkId("job", "open", 0, 0),
+                 Contribution(0, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, one), 0)  # the open one
+refused(1, 2 * FAILURES_KEPT)  # the failure records are full from here on
+before = proc_status(os.getpid())["VmRSS"]
+refused(1 + 2 * FAILURES_KEPT, int(sys.argv[1]))
+print(json.dumps({"before": before, "after": proc_status(os.getpid())["VmRSS"],
+                  "failures": len(table._failed), "kept": FAILURES_KEPT}))
+"""
+
+
+def test_refused_shards_leave_a_bounded_record_measured_in_vmrss():
+    """A tenant whose every shard is refused (here: over --max-open-chunks-per-job,
+    each to a new key of the longest name allowed) makes a failure record per
+    shard; past FAILURES_KEPT the oldest go, and the process's VmRSS stays
+    flat under RLIMIT_AS (before: +3 KiB per refused shard, for a round timeout)."""
+    count = 40_000
+    done = subprocess.run([sys.executable, "-c", _REFUSALS_RSS_SCRIPT, str(count)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    assert figures["failures"] == figures["kept"]
+    assert figures["after"] - figures["before"] < 8 << 20, figures
+
+
+def test_the_newest_failures_are_kept_and_a_late_contributor_hears_them():
+    """Past FAILURES_KEPT the oldest record goes: a late rank of a chunk failed
+    long ago opens it afresh; of the newest, it hears the failure at once."""
+    from reducerd.limits import FAILURES_KEPT
+
+    table = ReductionTable(60.0, 1 << 30, max_open_chunks_per_job=1)
+    one = np.ones(1, np.float16).tobytes()
+
+    def send(key: str, rank: int = 0):
+        return table.contribute(ChunkId("job", key, 0, 0),
+                                Contribution(rank, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, one),
+                                rank)
+    assert send("open") == []
+    for i in range(FAILURES_KEPT + 10):
+        [refusal] = send(f"k{i}")
+        assert refusal.error_code == "RESOURCE_EXHAUSTED"
+    assert len(table._failed) == FAILURES_KEPT
+    [heard] = send(f"k{FAILURES_KEPT + 9}", rank=1)
+    assert heard.error_code == "RESOURCE_EXHAUSTED" and heard.repeat
+    [refused_again] = send("k0", rank=1)  # forgotten: a new chunk, refused as new
+    assert refused_again.error_code == "RESOURCE_EXHAUSTED" and not refused_again.repeat

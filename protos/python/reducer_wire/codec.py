@@ -17,7 +17,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["ShardView", "ShardEncoder", "decode_shard", "encode_shard", "encode_shard_into",
-           "DecodeError"]
+           "DecodeError", "MAX_NAME_CHARS"]
+
+# A Shard's job and key are at most this many characters (contract section 2):
+# a daemon keeps them with every open chunk and failure, outside its memory budget.
+MAX_NAME_CHARS = 1024
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
