@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from reducer_client import ReducerClient
 from reducer_client.errors import ReducerError
+from reducer_client.transport.base import TransportError
 from reducer_client.transport.fake import FakeDaemon
 from reducer_client.transport.link import DaemonLink
 
@@ -150,3 +151,61 @@ def test_names_over_the_daemons_limit_are_refused_before_anything_is_sent(client
     with pytest.raises(ValueError, match=f"job: must be a non-empty string of at most "
                                          f"{MAX_NAME_CHARS}"):
         ReducerClient(["127.0.0.1:1"], job="j" * (MAX_NAME_CHARS + 1), rank=0, world_size=1)
+
+
+def test_a_status_probe_that_times_out_during_a_reconnect_is_retried():
+    """The stream broke; the first reconnect's GetStatus is not answered in
+    time (DEADLINE_EXCEEDED: a daemon whose loop stalled). The chunk, with
+    its deadline far off, is resent once the daemon answers, instead of
+    failing at once as not retryable."""
+    daemon = FakeDaemon()
+    probes = []
+
+    class StallsOnce:
+        def brief_status(self):
+            probes.append(time.monotonic())
+            if len(probes) == 2:  # the first reconnect meets the stall
+                raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return daemon.brief_status()
+
+        def close(self):
+            pass
+
+    link = DaemonLink("fake:1", control=StallsOnce(), transports=[daemon.transport("grpc")])
+    peer = DaemonLink("fake:1", control=daemon, transports=[daemon.transport("grpc")])
+    answers: list = []
+    try:
+        send_one(link, 0, answers)
+        deadline = time.monotonic() + WAIT_S
+        while not daemon.contributions("k"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        daemon.drop_streams()
+        while len(probes) < 3:  # the stalled probe, then one that is answered
+            assert not answers, answers  # failed instead of retried
+            assert time.monotonic() < deadline, probes
+            time.sleep(0.01)
+        assert answers == []  # still waiting, not failed
+        send_one(peer, 1, [])
+        while not answers:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        [(reply, error)] = answers
+        assert error is None and np.frombuffer(reply.data, np.float32).tolist() == [2.0] * 4
+    finally:
+        link.close(), peer.close()
+
+
+def send_one(link: DaemonLink, rank: int, answers: list) -> None:
+    """Rank `rank`'s contribution of ones to key "k" (world of 2), answers appended."""
+    from reducer_wire import convert
+    from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+    from reducer_wire.codec import ShardEncoder
+
+    encoder = ShardEncoder(job="j", key="k", rank=rank, world_size=2, dtype=pb.DTYPE_FLOAT32,
+                           op=pb.REDUCE_OP_SUM, data_nbytes=16)
+    message = link.message(("k", 0), encoder.nbytes)
+    convert.to_wire(np.ones(4, np.float32), pb.DTYPE_FLOAT32,
+                    out=encoder.write_into(message.shard))
+    link.send(("k", 0, 0), message, lambda reply, error: answers.append((reply, error)),
+              time.monotonic() + 30)

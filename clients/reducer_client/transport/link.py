@@ -8,11 +8,10 @@ band, so one bad chunk does not end the stream.
 
 Transports (base.py): a Control (the daemon's brief status: its data port and
 round timeout) and the transports tried in order at each stream. By default
-the real ones: data_plane "auto" is [TCP data plane, gRPC] (the data plane is
-much cheaper, gRPC takes over where the daemon offers none or it cannot be
-reached, or refused it for capacity), "tcp" or "grpc" insist on one; with TLS
-the data plane runs over TLS too (tls). Tests inject the in-process
-fake (fake.py).
+the real ones: data_plane "auto" is [TCP data plane, gRPC] (gRPC takes over
+where the daemon offers no data plane, it cannot be reached, or it refused it
+for capacity), "tcp" or "grpc" insist on one; with TLS the data plane runs
+over TLS too. Tests inject the in-process fake (fake.py).
 
 Recovery: when the stream breaks with a retryable status (errors.py: the
 daemon restarted or went away, or refused the connection for capacity), the
@@ -35,16 +34,14 @@ from typing import Any, NamedTuple
 
 import grpc
 from reducer_wire.codec import ShardView
-from reducer_wire.tls import diagnose_handshake
 
 from reducer_client.env import DATA_PLANES
 from reducer_client.errors import ReducerError, status_code_from_value, stream_error
-from reducer_client.tls import TLSConfig, ssl_context
+from reducer_client.tls import TLSConfig
 from reducer_client.transport.base import Control, NotOffered, Transport, TransportError
-from reducer_client.transport.grpc import MAX_MESSAGE_BYTES, GrpcTransport
 from reducer_client.transport.history import Message, SendHistory, Slot
 from reducer_client.transport.order import LinkQueue, Turn
-from reducer_client.transport.tcp import TcpTransport
+from reducer_client.transport.real import real_transports
 
 __all__ = ["DaemonLink", "ReplyHandler", "PendingKey", "real_transports",
            "status_code_from_value", "DATA_PLANES"]
@@ -71,28 +68,6 @@ class _Pending(NamedTuple):
     handler: ReplyHandler
     message: Message
     deadline_s: float  # time.monotonic() after which no retry is made for it
-
-
-def real_transports(address: str, metadata: Sequence[tuple[str, str]] = (),
-                    credentials: grpc.ChannelCredentials | None = None,
-                    extra_options: Sequence[tuple[str, Any]] = (), token: str = "",
-                    data_plane: str = "auto", tls: TLSConfig | None = None,
-                    ) -> tuple[Control, list[Transport]]:
-    """The daemon's gRPC service (also the Control) and, unless data_plane is
-    "grpc" (or gRPC has credentials but no `tls` came for the data plane), its
-    TCP data plane first, over TLS with `tls`."""
-    probe = (None if tls is None else
-             lambda: diagnose_handshake(address, tls.ca_file, tls.cert_file, tls.key_file,
-                                        tls.server_name))
-    service = GrpcTransport(address, metadata, credentials, extra_options, tls_probe=probe)
-    if credentials is not None and tls is None:
-        return service, [service]
-    tcp = TcpTransport(address.rpartition(":")[0].strip("[]"), token, MAX_MESSAGE_BYTES,
-                       tls_context=ssl_context(tls) if tls is not None else None,
-                       server_hostname=tls.server_name if tls is not None else None)
-    chains: dict[str, list[Transport]] = {"auto": [tcp, service], "tcp": [tcp],
-                                          "grpc": [service]}
-    return service, chains[data_plane]
 
 
 class DaemonLink:
@@ -268,7 +243,12 @@ class DaemonLink:
                       ) -> Iterable[ShardView]:
         """Start a stream of `requests` (outbox's) on the first transport that
         reaches the daemon; its replies. Runs on the reader thread: this blocks."""
-        daemon = self._control.brief_status()
+        try:
+            daemon = self._control.brief_status()
+        except TransportError as exc:  # not answered in time (a stalled daemon): retried
+            late = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            raise TransportError(grpc.StatusCode.UNAVAILABLE if late else exc.code,
+                                 f"status: {exc.details}") from None
         if daemon.round_timeout_s:
             with self._lock:
                 self._history.round_timeout_s = daemon.round_timeout_s
