@@ -1,10 +1,9 @@
 """ReducerClient: allreduce and broadcast of NumPy arrays through reducerd daemons.
 
 The facade: it validates a call, counts the key's rounds, cuts the array into
-chunks (layout.py) and routes them: through this host's node group
-(node/group.py) when workers share it, else straight to the daemons' links.
-An Operation (ops.py) collects the replies; a link (transport/link.py)
-carries the chunks, each narrowed straight into the buffer of its message.
+chunks (layout.py) and routes them: through this host's node group (node/)
+when workers share it, else to the daemons' links (transport/link.py), each
+chunk narrowed straight into its message; an Operation (ops.py) collects replies.
 """
 
 from __future__ import annotations
@@ -63,10 +62,8 @@ class ReducerClient:
 
     token: sent as `authorization: Bearer <token>`. tls: True for TLS with the
     system's roots, or a TLSConfig (own CA, client certificate for mutual TLS).
-    data_plane: "auto" sends shards over a daemon's TCP data plane where it
-    offers one (much cheaper than gRPC Python; over TLS with tls), else through
-    gRPC; "tcp" or "grpc" insist on one (transport/link.py). Default:
-    REDUCER_DATA_PLANE, else "auto".
+    data_plane: "auto" (REDUCER_DATA_PLANE's default) sends over a daemon's TCP
+    data plane where it has one (over TLS with tls), else gRPC; "tcp" or "grpc" insist.
 
     Node-local aggregation (node/): when local_size > 1 workers share this
     host, they reduce together through shared memory and the node sends the
@@ -76,9 +73,9 @@ class ReducerClient:
     must be node-major (node = rank // local_size) unless node_rank (default
     REDUCER_NODE_RANK) names the node. node_local=False (or
     REDUCER_NODE_LOCAL=0) turns it off. rank and world_size stay the worker's.
-    incarnation: this instance's random non-zero id in every shard (the node's,
-    from its local rank 0, under node-local aggregation), so that a job restarted
-    under its job id never gets an earlier incarnation's sums (contract section 2).
+    incarnation: this instance's random non-zero id in every shard (under node-local
+    aggregation, its node's), so that a job restarted under its job id never gets an
+    earlier incarnation's sums (contract section 2).
 
     environ: where the defaults above come from (and REDUCER_WIRE_NUMPY=1,
     conversions in NumPy instead of C): os.environ unless given; from_env(m)
@@ -282,6 +279,10 @@ class ReducerClient:
                                 f"{out.flags.c_contiguous}, writable {out.flags.writeable}"
                                 if isinstance(out, np.ndarray) else type(out).__name__))
         flat = np.ascontiguousarray(array).reshape(-1)
+        if self._node is None:  # before the round is taken: no round lost to a failure here
+            result = np.empty(array.shape, dtype=array.dtype) if out is None else out
+            chunks = plan_wire_chunks(flat.size, dtype, len(self._links),
+                                      self._chunk_bytes_for(flat.size, dtype), key)
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
@@ -291,9 +292,6 @@ class ReducerClient:
         if self._node is not None:
             return self._node.reduce(flat if contributes else None, array.shape,
                                      array.dtype, key, round_, dtype, op, root_rank, out)
-        result = np.empty(array.shape, dtype=array.dtype) if out is None else out
-        chunks = plan_wire_chunks(flat.size, dtype, len(self._links),
-                                  self._chunk_bytes_for(flat.size, dtype), key)
         return self._send_chunks(flat if contributes else None, 0, result.reshape(-1),
                                  result, key, round_, dtype, op, chunks, self.rank,
                                  self.world_size, priority).future
@@ -363,8 +361,11 @@ class ReducerClient:
                 link.send((key, round_, chunk.offset), message, operation.handler(index),
                           operation.deadline_s, order.turn(index) if order else None,
                           priority)
-        except ReducerError as exc:
-            operation.fail(exc)
+        except Exception as exc:  # a bug or MemoryError too: fail it, drop what went out
+            operation.fail(exc if isinstance(exc, ReducerError) else ReducerError(
+                grpc.StatusCode.INTERNAL, f"key {key!r} round {round_}: sending failed: {exc!r}"))
+            if not isinstance(exc, ReducerError):
+                raise
         if operation.settled:  # a chunk sent just after its failure dropped the rest: drop it
             self._forget(operation)
         return operation

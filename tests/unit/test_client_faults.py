@@ -209,3 +209,47 @@ def send_one(link: DaemonLink, rank: int, answers: list) -> None:
                     out=encoder.write_into(message.shard))
     link.send(("k", 0, 0), message, lambda reply, error: answers.append((reply, error)),
               time.monotonic() + 30)
+
+
+def test_a_call_that_fails_inside_the_client_keeps_its_rank_in_step(clients, monkeypatch):
+    """A failure inside the client (here MemoryError cutting the array) before
+    anything was sent takes no round of the key: the rank's next call pairs
+    with the others' instead of running one round ahead of them for good."""
+    from reducer_client import client as client_module
+
+    daemon = FakeDaemon()
+    rank0, rank1 = clients([daemon], 0, 2), clients([daemon], 1, 2)
+    real_plan = client_module.plan_wire_chunks
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the layout")
+
+    monkeypatch.setattr(client_module, "plan_wire_chunks", out_of_memory)
+    with pytest.raises(MemoryError):
+        rank0.allreduce(np.ones(4, np.float32), "k")
+    monkeypatch.setattr(client_module, "plan_wire_chunks", real_plan)
+    futures = [c.allreduce_async(np.full(4, c.rank + 1.0, np.float32), "k")
+               for c in (rank0, rank1)]
+    assert [f.result(WAIT_S).tolist() for f in futures] == [[3.0] * 4] * 2
+
+
+def test_a_failure_while_sending_fails_the_operation_and_drops_what_went_out(clients,
+                                                                           monkeypatch):
+    """A non-ReducerError in the send loop (MemoryError for a message buffer)
+    reaches the caller, and the operation it began is failed at once with
+    INTERNAL and its chunks dropped, not left waiting for its deadline."""
+    daemon = FakeDaemon()
+    client = clients([daemon], 0, 2, timeout=30.0, chunk_bytes=64)
+    link = client._links[0]
+    real_message, calls = link.message, []
+
+    def runs_out(slot, nbytes):
+        calls.append(slot)
+        if len(calls) == 3:
+            raise MemoryError("no buffer")
+        return real_message(slot, nbytes)
+
+    monkeypatch.setattr(link, "message", runs_out)
+    with pytest.raises(MemoryError):
+        client.allreduce_async(np.ones(1024, np.float32), "k")  # 32 chunks
+    assert len(link._pending) == 0 and len(client._inflight) == 0
