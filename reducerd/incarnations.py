@@ -63,6 +63,9 @@ log = logging.getLogger("reducerd")
 
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
 _RETIRED_SLACK = 16
+# The longest a restart waits (on the loop thread) for the summing threads to
+# drop the failed chunks of the earlier era and give their memory back.
+RESTART_DRAIN_S = 2.0
 
 
 @dataclass(slots=True)
@@ -172,6 +175,11 @@ def admit(table: ReductionTable, cid: ChunkId, part: Contribution, sink: Hashabl
     failed = [table._fail(open_id, FAILED_PRECONDITION, f"{open_id.describe()}: {message}",
                           tuple(c.sinks))
               for open_id, c in list(table._open.items()) if open_id.job == name]
+    if failed and table._pooled is not None:
+        # A failed pooled chunk's room goes back once its summing thread ran its
+        # last task (queued behind adds that now skip): let them run, so that the
+        # new era's first contribution is not refused for the old era's memory.
+        table._pooled.pool.wait_idle(RESTART_DRAIN_S)
     for failed_id in [f for f in table._failed if f.job == name]:
         del table._failed[failed_id]  # the earlier incarnation's (and those just made)
     results = [r for r in table._results if r.job == name]

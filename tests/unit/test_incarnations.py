@@ -9,6 +9,7 @@ dtype used here, so they are compared exactly.
 """
 
 import secrets
+import threading
 import time
 
 import numpy as np
@@ -290,3 +291,36 @@ def test_a_new_id_outside_the_world_is_a_restart_at_the_larger_size():
     assert failed.error_code == "FAILED_PRECONDITION" and failed.sinks == ("old1",)
     assert "outside the world of 2" in failed.error_message
     assert table.jobs["J"].incarnations.era == 1
+
+
+def test_a_restart_on_a_full_budget_waits_for_the_failed_chunks_room(monkeypatch):
+    """With --threads > 1 a failed chunk's accumulator goes back to the budget
+    only once its summing thread ran its last task. The restarted job's first
+    contribution waits for the earlier era's chunks to give theirs back
+    (here held 0.3 s) instead of being refused RESOURCE_EXHAUSTED."""
+    numel = 64 * 1024  # 256 KiB float32: two accumulators fill the budget
+    pool = SummingPool(2)
+    pool.start(lambda fn, *args: None)
+    table = ReductionTable(60, 2 * numel * 4 + 2 * numel * 4, summing=pool)
+    gate = threading.Event()
+    from reducerd import chunk_sums
+    real_copy = chunk_sums.accumulate.copy_wire_into
+    monkeypatch.setattr(chunk_sums.accumulate, "copy_wire_into",
+                        lambda *a: (gate.wait(WAIT_S), real_copy(*a)))
+    try:
+        for round_ in (0, 1):
+            for rank in (0, 1):
+                assert table.contribute(cid(round_), part(rank, 1, OLD[rank], 3, numel),
+                                        f"old{rank}") == []
+        assert table.bytes_held == 2 * numel * 4
+        threading.Timer(0.3, gate.set).start()
+        started = time.monotonic()
+        out = table.contribute(cid(0), part(0, 10, NEW[0], 3, numel), "new0")
+        waited = time.monotonic() - started
+        assert [(d.chunk, d.error_code) for d in out] == [
+            (cid(0), "FAILED_PRECONDITION"), (cid(1), "FAILED_PRECONDITION")]
+        assert table.open_chunk_count == 1, "the new era's contribution was not counted"
+        assert waited < WAIT_S
+    finally:
+        gate.set()
+        assert pool.close(WAIT_S)
