@@ -37,7 +37,7 @@ from reducer_wire import dtypes
 from reducer_client.api import Reducer
 
 __all__ = ["Compressor", "Compression", "wire_dtype_of", "allreduce_async_on_wire",
-           "CompressedReducer"]
+           "CompressedReducer", "wire_scale"]
 
 
 class Compressor:
@@ -103,6 +103,13 @@ def allreduce_async_on_wire(reducer: Reducer, array: np.ndarray, key: str, op: s
     return reducer.allreduce_async(array, key, op, out=out, **extra)
 
 
+def wire_scale(reducer: Reducer, op: str) -> float:
+    """What `reducer` multiplies a contribution to `op` by before it goes on the
+    wire (1/f for a CompressedReducer's gradient_predivide_factor f, else 1):
+    error feedback must round what is sent (ErrorFeedback.apply's scale)."""
+    return reducer.wire_scale(op) if isinstance(reducer, CompressedReducer) else 1.0
+
+
 def _then(source: Future, finish: Callable[[Any], Any]) -> Future:
     """A future with finish(source's result), or source's error."""
     target: Future = Future()
@@ -162,6 +169,10 @@ class CompressedReducer:
         if name.startswith("__") or name in ("_get", "_wire"):
             raise AttributeError(name)
         return getattr(self.base, name)
+
+    def wire_scale(self, op: str) -> float:
+        """What a contribution to `op` is multiplied by before it is sent."""
+        return 1.0 / self.predivide_factor if op == "mean" else 1.0
 
     def allreduce_async(self, array: np.ndarray, key: str, op: str = "sum", *,
                         out: np.ndarray | None = None, wire_dtype: str | None = None,

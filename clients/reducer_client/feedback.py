@@ -86,9 +86,15 @@ class ErrorFeedback:
             return cls.default_for(reducer)
         return cls.for_reducer(reducer) if enabled else None
 
-    def apply(self, key: str, values: np.ndarray) -> None:
+    def apply(self, key: str, values: np.ndarray, scale: float = 1.0) -> None:
         """Add the key's residual to `values` (1-D, float16/32/64, in place) and
-        keep what rounding the result to the wire drops, for the next call."""
+        keep what rounding the result to the wire drops, for the next call.
+
+        scale: what the reducer multiplies the values by before they go on the
+        wire (compression.wire_scale: 1/f under gradient_predivide_factor f).
+        The rounding is that of the scaled values, and the residual is kept in
+        the values' own units: r = v - Q(s v) / s.
+        """
         with self._lock:
             state = self._keys.get(key)
             if state is None or state.residual.size != values.size:
@@ -99,11 +105,16 @@ class ErrorFeedback:
                     np.empty(dtypes.wire_nbytes(self._dtype, values.size), np.uint8))
         residual = state.residual
         np.add(values, residual, out=values, casting="unsafe")
-        # What the client sends: float64 is rounded to float32 first, float16 widens exactly.
+        # What the client sends: float64 is rounded to float32 first, float16
+        # widens exactly; CompressedReducer scales in place, with the same rounding.
         sent = values if values.dtype == np.float32 else values.astype(np.float32)
+        if scale != 1.0:
+            sent = np.multiply(sent, scale, dtype=np.float32, casting="unsafe")
         convert.to_wire(sent, self._dtype, out=state.wire)
         convert.from_wire(state.wire, self._dtype, residual)
         np.subtract(sent, residual, out=residual)
+        if scale != 1.0:
+            np.multiply(residual, 1.0 / scale, out=residual)
         # A non-finite gradient must not poison every later step.
         if not np.isfinite(residual).all():
             residual[~np.isfinite(residual)] = 0.0
@@ -130,7 +141,7 @@ class NodeFeedback(ErrorFeedback):
         super().__init__(wire_dtype)
         self._residues = residues
 
-    def apply(self, key: str, values: np.ndarray) -> None:
+    def apply(self, key: str, values: np.ndarray, scale: float = 1.0) -> None:
         self._residues.want(key)
 
     def forget(self, key: str | None = None) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from mxnet.kvstore import KVStoreBase
 
 from reducer_client.api import Reducer as ReducerBackend
+from reducer_client.compression import wire_scale
 from reducer_client.errors import ReducerError
 from reducer_client.feedback import ErrorFeedback
 from reducer_client.mxnet._basics import basics
@@ -142,7 +143,7 @@ class Reducer(KVStoreBase):
 
         def start(buffer: np.ndarray, transfer_key: str) -> Future:
             if feedback is not None:  # the transfer's last residue, added in place
-                feedback.apply(transfer_key, buffer)
+                feedback.apply(transfer_key, buffer, wire_scale(self._backend, self._op))
             return self._backend.allreduce_async(buffer, transfer_key, self._op, out=buffer)
 
         try:

@@ -38,6 +38,7 @@ import numpy as np
 from reducer_wire import dtypes
 
 from reducer_client.api import Reducer
+from reducer_client.compression import wire_scale
 from reducer_client.errors import ReducerError
 from reducer_client.feedback import ErrorFeedback
 from reducer_client.steps import StepReducer
@@ -140,7 +141,7 @@ class GradientSteps:
         values = array
         if feedback is not None:  # in place, and the input may be a tensor's memory
             values = np.array(array, dtype=np.float32, copy=True).reshape(-1)
-            feedback.apply(key, values)
+            feedback.apply(key, values, wire_scale(entry.steps, op))
         with self._state_lock:
             self._last = (key, int(values.size))
         if base.world_size == 1 and self._wire is None and self._predivide == 1.0:

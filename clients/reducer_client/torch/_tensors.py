@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from reducer_client.api import Reducer
+from reducer_client.compression import wire_scale
 from reducer_client.feedback import ErrorFeedback
 from reducer_client.torch._basics import resolve
 
@@ -124,7 +125,7 @@ class Staging:
             self._feedback = ErrorFeedback.choose(reducer, enabled)
             self._feedback_chosen = True
 
-    def _compensate(self, reducer: Reducer, key: str, values: np.ndarray) -> None:
+    def _compensate(self, reducer: Reducer, key: str, values: np.ndarray, op: str) -> None:
         """Add what the wire dropped from this key's last contribution (if feedback is on)."""
         with self._lock:
             if not self._feedback_chosen:
@@ -132,7 +133,7 @@ class Staging:
                 self._feedback_chosen = True
             feedback = self._feedback
         if feedback is not None:
-            feedback.apply(key, values)
+            feedback.apply(key, values, wire_scale(reducer, op))
 
     def start(self, reducer: Reducer, flat: torch.Tensor, key: str, op: str,
               priority: int = 0) -> Future[np.ndarray]:
@@ -151,7 +152,7 @@ class Staging:
                                      pinned=False).host
             host.copy_(flat.reshape(-1))
             view = host.numpy()
-        self._compensate(reducer, key, view)
+        self._compensate(reducer, key, view, op)
         return reducer.allreduce_async(view, key, op, out=view, **_priority(priority))
 
     def finish(self, result: np.ndarray, out: torch.Tensor, key: str,
@@ -196,7 +197,7 @@ class Staging:
             # the core in launch order, the same on every rank.
             copied.synchronize()
             host = buffer.host.numpy()
-            self._compensate(reducer, key, host)
+            self._compensate(reducer, key, host, op)
             _chain(reducer.allreduce_async(host, key, op, out=host, **_priority(priority)),
                    reduced)
 
