@@ -192,8 +192,10 @@ def test_fp8_every_code_decodes_and_adds_exactly(impl, fmt):
     codes = np.tile(np.arange(256, dtype=np.uint8), 3)
     message = bytearray(1) + codes.tobytes()  # shard data sits anywhere in a message
     data = memoryview(message)[1:]
-    assert same_bits_or_both_nan(decode8(np.frombuffer(data, np.uint8), fmt, impl),
-                                 quant.fp8_table(fmt)[codes])
+    decoded = decode8(np.frombuffer(data, np.uint8), fmt, impl)
+    assert same_bits_or_both_nan(decoded, quant.fp8_table(fmt)[codes])
+    # Every value keeps its code's sign, a NaN's too (C and NumPy: the same bits).
+    assert np.array_equal(bits_of(decoded) >> 31, codes >> 7)
     acc = np.random.default_rng(1).standard_normal(codes.size).astype(np.float32)
     with np.errstate(all="ignore"):
         want = acc + quant.fp8_table(fmt)[codes]

@@ -308,3 +308,26 @@ def test_kernels_use_the_widest_instructions_the_cpu_has():
     assert kernels.set_isa("best") == expected == kernels.isa()
     with pytest.raises(ValueError, match="one of"):
         kernels.set_isa("sse9")
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16,
+                                   pb.DTYPE_INT8_BLOCK128, pb.DTYPE_FP8_E4M3])
+@pytest.mark.parametrize("accelerated", [True, False], ids=["c", "numpy"])
+def test_a_non_contiguous_out_is_refused_not_silently_left_unwritten(dtype, accelerated):
+    """to_wire(out=a strided view): reshaping it would copy, and the elements
+    would be written into the copy (the caller's buffer kept its zeros). A
+    strided input is fine: it is read, not written."""
+    values = np.linspace(-1, 1, 300, dtype=np.float32)
+    nbytes = convert.wire_nbytes(dtype, values.size)
+    previous = convert.use_accelerator(accelerated)
+    try:
+        strided = np.zeros((nbytes, 2), np.uint8)[:, 0]
+        with pytest.raises(ValueError, match="C-contiguous"):
+            convert.to_wire(values, dtype, out=strided)
+        assert not strided.any()
+        out = np.zeros(nbytes, np.uint8)
+        wide = np.repeat(values, 2)[::2]  # a strided input
+        assert np.shares_memory(convert.to_wire(wide, dtype, out=out), out)
+        assert np.array_equal(out, convert.to_wire(values, dtype).view(np.uint8))
+    finally:
+        convert.use_accelerator(previous)

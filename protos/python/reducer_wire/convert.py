@@ -179,6 +179,10 @@ def to_wire(values: np.ndarray, dtype: int,
     if out is None:
         target = np.empty(nbytes // storage.itemsize, dtype=storage)
     else:
+        if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+            # reshape would copy, and the elements would be written to the copy
+            raise ValueError(f"to_wire: out must be C-contiguous, got an array of shape "
+                             f"{out.shape} and strides {out.strides}")
         target = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) \
             else out.reshape(-1).view(np.uint8)
         if target.nbytes != nbytes or not target.flags.writeable:

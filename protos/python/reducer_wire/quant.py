@@ -122,8 +122,12 @@ def _split(data: np.ndarray, numel: int, block: int) -> tuple[np.ndarray, np.nda
     return scales, codes
 
 
-def _bytes(buffer: bytes | memoryview | bytearray | np.ndarray) -> np.ndarray:
+def _bytes(buffer: bytes | memoryview | bytearray | np.ndarray,
+           written: bool = False) -> np.ndarray:
     if isinstance(buffer, np.ndarray):
+        if written and not buffer.flags.c_contiguous:  # reshape would copy: writes lost
+            raise ValueError(f"an 8-bit wire buffer must be C-contiguous, got an array of "
+                             f"shape {buffer.shape} and strides {buffer.strides}")
         return buffer.reshape(-1).view(np.uint8)
     return np.frombuffer(buffer, dtype=np.uint8)
 
@@ -156,7 +160,7 @@ def _block_scales(values: np.ndarray, block: int) -> np.ndarray:
 def encode_int8(values: np.ndarray, out: np.ndarray | memoryview | bytearray,
                 block: int = INT8_BLOCK, use_c: bool = True) -> None:
     """Quantize float32 `values` (1-D) into `out`, int8_nbytes(values.size) bytes."""
-    target = _bytes(out)
+    target = _bytes(out, written=True)
     _check_int8(values.size, target.size, block, "encode_int8")
     if use_c and _built is not None:
         _built.q8_encode(np.ascontiguousarray(values, dtype=np.float32), target, block)
@@ -237,6 +241,8 @@ def fp8_table(fmt: Fp8Format) -> np.ndarray:
         values = np.where(magnitude > fmt.inf_code, np.nan, values)
     else:  # E4M3: S.1111.111 alone is NaN
         values = np.where(magnitude == fmt.nan_code, np.nan, values)
+    # A NaN keeps its code's sign, as the C decode's does (the same bits either way).
+    values = np.where(codes & 0x80, -np.abs(values), values)
     return values.astype(np.float32)
 
 
@@ -285,7 +291,7 @@ _SPAN = 1 << 14
 def encode_fp8(values: np.ndarray, out: np.ndarray | memoryview | bytearray,
                fmt: Fp8Format, use_c: bool = True) -> None:
     """Round float32 `values` (1-D) to FP8 codes in `out` (values.size bytes)."""
-    target = _bytes(out)
+    target = _bytes(out, written=True)
     _check_fp8(values.size, target.size, f"encode_fp8 ({fmt.name})")
     x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     if use_c and _built is not None:
