@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from reducer_wire.dtypes import WIRE_DTYPES, wire_nbytes
+from reducer_wire.dtypes import WIRE_DTYPES, wire_block, wire_nbytes
 
 from reducerd.plan.capacity import ClusterSpec, plan_reducerd, plan_ring
 
@@ -54,6 +54,7 @@ def projection(config: dict[str, Any], size_bytes: int, system: str) -> float:
     per_node = config.get("workers_per_node", 1)
     spec = ClusterSpec(
         params=params, wire_bytes_per_param=wire_nbytes(dtype, params) / params,
+        wire_block=wire_block(dtype), wire_block_bytes=wire_nbytes(dtype, wire_block(dtype)),
         nodes=config["workers"] // per_node, gpus_per_node=per_node, link_Bps=rate,
         daemon_link_Bps=rate,
         daemon_rate_Bps_per_core=(daemons_cpu.get("input_GB_per_cpu_s")

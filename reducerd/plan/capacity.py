@@ -78,6 +78,10 @@ class ClusterSpec:
     daemon_cores: int = 1  # c: summing cores per daemon
     daemons: int | None = None  # D; None: as many as keep the workers' links full
     chunk_bytes: int | None = None  # None: the client's default for M and D
+    # The layout cuts keys into whole blocks: int8's are 128 elements of 132
+    # bytes (dtypes.wire_block, wire_nbytes); 1 element for the others.
+    wire_block: int = 1
+    wire_block_bytes: int | None = None  # None: wire_bytes_per_param (one element)
     latency_s: float = 0.0  # a: one-way, per message hop
     mtu: int = 9000
 
@@ -87,7 +91,9 @@ class ClusterSpec:
 
     @property
     def wire_itemsize(self) -> int:
-        """Bytes per element as the client's layout counts them (1 for 8-bit wires)."""
+        """Bytes of one block of wire_block elements, as the client's layout counts them."""
+        if self.wire_block_bytes is not None:
+            return self.wire_block_bytes
         return max(1, int(self.wire_bytes_per_param))
 
     @property
@@ -161,11 +167,13 @@ def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
 
 
 def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,
-                       itemsize: int = 2) -> float:
+                       itemsize: int = 2, block: int = 1) -> float:
     """The mean chunk the client's layout (reducer_wire.layout) makes of one
-    key of `model_bytes` with at most `chunk_bytes` per chunk."""
-    numel = max(1, model_bytes // itemsize)
-    return model_bytes / chunk_count(numel, itemsize, daemons, max(chunk_bytes, itemsize))
+    key of `model_bytes` with at most `chunk_bytes` per chunk, the wire
+    carrying blocks of `block` elements in `itemsize` bytes each."""
+    numel = max(1, model_bytes * block // itemsize)
+    return model_bytes / chunk_count(numel, itemsize, daemons, max(chunk_bytes, itemsize),
+                                     block)
 
 
 def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int) -> int:
@@ -196,7 +204,7 @@ def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
     n, m = spec.nodes, spec.model_bytes
     e = link_efficiency(spec.mtu)
     chunk = layout_chunk_bytes(m, d, spec.chunk_bytes or default_chunk_bytes(m, d),
-                               spec.wire_itemsize)
+                               spec.wire_itemsize, spec.wire_block)
     daemon_bytes = n * m / d
     cpu_s = daemon_bytes / spec.daemon_rate_Bps_per_core
     terms = {"worker link": m / (spec.link_Bps * e),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from reducer_wire.dtypes import WIRE_DTYPES, wire_nbytes
+from reducer_wire.dtypes import WIRE_DTYPES, wire_block, wire_nbytes
 
 from reducerd.plan.capacity import (
     ClusterSpec,
@@ -121,14 +122,15 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--daemon-rate must be a positive GB per CPU-second, "
                          f"got {args.daemon_rate}")
     for flag, value in (("--compute-time", args.compute_time), ("--steps", args.steps)):
-        if value is not None and not value > 0:
-            raise UsageError(f"{flag} must be > 0, got {value}")
+        if value is not None and not 0 < value < math.inf:
+            raise UsageError(f"{flag} must be > 0 and finite, got {value}")
     if not 0 <= args.overlap <= 1:
         raise UsageError(f"--overlap must be in [0, 1], got {args.overlap}")
     cores = _cores(args.daemon_cores, daemon_link, args.daemon_rate * 1e9, args.mtu)
+    dtype = WIRE_DTYPES[args.wire_dtype]
     spec = ClusterSpec(
-        params=model.params, wire_bytes_per_param=wire_nbytes(
-            WIRE_DTYPES[args.wire_dtype], model.params) / model.params,
+        params=model.params, wire_bytes_per_param=wire_nbytes(dtype, model.params) / model.params,
+        wire_block=wire_block(dtype), wire_block_bytes=wire_nbytes(dtype, wire_block(dtype)),
         nodes=args.workers, gpus_per_node=args.gpus_per_node, link_Bps=link,
         daemon_link_Bps=daemon_link, daemon_rate_Bps_per_core=args.daemon_rate * 1e9,
         daemon_cores=cores, daemons=args.daemons, chunk_bytes=args.chunk_bytes,
@@ -137,6 +139,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         ours, ring = plan_reducerd(spec), plan_ring(spec)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except OverflowError:  # a rate so small (say --daemon-rate 1e-320) that D is infinite
+        raise UsageError("the inputs give an infinite number of daemons or time: check "
+                         "--link, --daemon-link and --daemon-rate") from None
     plan: dict[str, Any] = {
         "inputs": {"model": model.name, "params": model.params, "wire_dtype": args.wire_dtype,
                    "model_bytes": spec.model_bytes, "float32_gradient_bytes": 4 * model.params,

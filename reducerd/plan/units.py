@@ -10,6 +10,7 @@ raises ValueError with a message that says what it expected.
 
 from __future__ import annotations
 
+import math
 import re
 
 from reducerd.units import NUMBER, parse_bytes, parse_rate, parse_time
@@ -33,9 +34,9 @@ def parse_params(text: str) -> int | None:
             params = parse_bytes(text) / 4
         except ValueError:
             return None
-    if params < 1:
+    if not 1 <= params < math.inf:
         raise ValueError(f"model size {text!r}: must be at least one parameter "
-                         "(4 bytes of float32 gradient)")
+                         "(4 bytes of float32 gradient), and finite")
     return round(params)
 
 

@@ -154,6 +154,23 @@ def test_the_planners_chunks_are_the_layout_rules():
                     model_bytes / count)
 
 
+def test_the_planners_int8_chunks_are_the_layout_rules():
+    """int8's chunks hold whole blocks of 128 elements, 132 bytes with their scale."""
+    from reducer_wire import dtypes
+    from reducer_wire.layout import plan_wire_chunks
+
+    int8 = dtypes.WIRE_DTYPES["int8"]
+    for params in (1000, 70_000, 25_557_032, 1 << 24):
+        for daemons in (1, 3, 4):
+            plan = plan_from_argv(["--model", f"{params} params", "--workers", "4",
+                                   "--link", "1gbps", "--wire-dtype", "int8",
+                                   "--daemons", str(daemons)])
+            chunks = plan_wire_chunks(params, int8, daemons,
+                                      default_chunk_bytes(plan["inputs"]["model_bytes"], daemons))
+            mean = dtypes.wire_nbytes(int8, params) / len(chunks)
+            assert plan["reducerd"]["chunk_bytes"] == pytest.approx(mean, rel=1e-3)
+
+
 def test_efficiency():
     assert efficiency(0.3, 0.1) == pytest.approx(0.75)
     assert efficiency(0.3, 0.1, overlap=0.5) == 1.0
@@ -219,7 +236,12 @@ BASE = ["--model", "1M params", "--workers", "4", "--gpus-per-node", "8", "--lin
     (["--daemon-rate", "0"], "--daemon-rate"), (["--daemon-cores", "many"], "--daemon-cores"),
     (["--daemon-cores", "0"], "--daemon-cores"), (["--latency", "soon"], "--latency"),
     (["--overlap", "1.5"], "--overlap"), (["--compute-time", "0"], "--compute-time"),
-    (["--chunk-bytes", "1"], "--chunk-bytes"), (["--mtu", "100"], "--mtu")])
+    (["--chunk-bytes", "1"], "--chunk-bytes"), (["--mtu", "100"], "--mtu"),
+    # Non-finite or overflowing figures: a usage error, not a traceback or NaN in the JSON.
+    (["--model", "1e400 params"], "--model"), (["--model", "1e400"], "--model"),
+    (["--compute-time", "inf"], "--compute-time"), (["--daemon-rate", "1e-320"], "--daemon-rate"),
+    # int8's layout cuts whole blocks of 128 elements (132 bytes with the scale).
+    (["--wire-dtype", "int8", "--chunk-bytes", "131"], "--chunk-bytes")])
 def test_bad_inputs_exit_2_naming_the_flag(extra, flag, capsys):
     assert main(BASE + extra) == 2
     err = capsys.readouterr().err
