@@ -17,6 +17,14 @@ slower to widen and 1.7x slower to narrow (512 Ki elements: 0.9 ms and 1.3 ms
 against 0.3 ms and 0.75 ms on this project's machines). Both give NumPy's
 results bit for bit (tests/unit/test_wire.py checks every float16 value and
 millions of float32 patterns), rounding to nearest, ties to even.
+
+A thread's floating-point mode: the C kernels clear flush-to-zero and
+denormals-are-zero while they run (TensorFlow's graph threads set both), and
+the NumPy float16, bfloat16 and FP8 code forms no float32 denormal, so every
+path gives the same bits in such a thread (tests/tf_shim/test_tf_fpmode.py).
+The one exception is int8's NumPy fallback: a block whose largest value is
+itself a float32 denormal (below 2^-126) is scaled in float32 arithmetic,
+which such a thread flushes to zero.
 """
 
 from __future__ import annotations
@@ -67,8 +75,8 @@ def kernels() -> ModuleType | None:
     return _fast
 
 
-_F16_TO_F32_SCALE = np.float32(2.0 ** 112)  # f32 exponent bias 127 - f16 bias 15
-_F16_LIMIT = np.float32(65536.0)  # anything this large was an f16 inf or NaN
+_F16_REBIAS = np.uint32(112 << 23)  # f32 exponent bias 127 - f16 bias 15
+_F16_SUBNORMAL_STEP = np.float32(2.0 ** -24)  # the value of a float16 subnormal's unit
 _DENORM_MAGIC_BITS = np.uint32(((127 - 15) + (23 - 10) + 1) << 23)
 _DENORM_MAGIC = np.array(_DENORM_MAGIC_BITS, dtype=np.uint32).view(np.float32)[()]
 
@@ -76,20 +84,28 @@ _DENORM_MAGIC = np.array(_DENORM_MAGIC_BITS, dtype=np.uint32).view(np.float32)[(
 def _float16_bits_to_float32(bits: np.ndarray, out: np.ndarray) -> None:
     """Widen float16 bit patterns (uint16) into float32 `out`, exactly.
 
-    Shifting the 15 exponent+mantissa bits into float32 position gives the
-    value times 2^-112; one float32 multiply by 2^112 fixes the exponent and
-    turns float16 subnormals into normal floats. A result of 2^16 or more can
-    only come from inf/NaN (exponent 31): set its exponent to all ones.
+    Integer arithmetic for the normal numbers: shift the 15 exponent+mantissa
+    bits into float32 position and add the bias difference (112) to the
+    exponent, twice for inf/NaN (exponent 31 -> 255). A subnormal's value is
+    its mantissa times 2^-24, a product of two normal float32s: no float32
+    denormal is ever formed, so the bits are the same under a thread's
+    flush-to-zero / denormals-are-zero mode (TensorFlow's graph threads), as
+    the C kernels' are (_fpmode.h).
     """
     u = out.view(np.uint32)
     np.copyto(u, bits, casting="unsafe")
     sign = u & np.uint32(0x8000)
     u &= np.uint32(0x7FFF)
     u <<= np.uint32(13)
-    out *= _F16_TO_F32_SCALE
-    special = out >= _F16_LIMIT
+    small = u < np.uint32(1 << 23)  # exponent 0: subnormal or zero
+    subnormals = u[small] if small.any() else None
+    special = u >= np.uint32(31 << 23)  # exponent 31: inf or NaN
+    u += _F16_REBIAS
     if special.any():
-        np.bitwise_or(u, np.uint32(0x7F800000), out=u, where=special)
+        u[special] += _F16_REBIAS
+    if subnormals is not None:
+        subnormals >>= np.uint32(13)
+        out[small] = subnormals.astype(np.float32) * _F16_SUBNORMAL_STEP
     sign <<= np.uint32(16)
     u |= sign
 
