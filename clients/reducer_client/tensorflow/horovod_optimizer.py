@@ -71,7 +71,8 @@ class _AggregatingMixin:
         if not self._aggregated_average:  # Keras averaged the N steps; Horovod sums them
             grads = [g * steps for g in grads]
         key = f"tf/{self._reducer_key or 'optimizer'}/{len(grads)}"  # type: ignore[attr-defined]
-        grads = reduce_gradients(grads, key, self._reducer_op,  # type: ignore[attr-defined]
+        grads = reduce_gradients(grads, trainable_variables, key,
+                                 self._reducer_op,  # type: ignore[attr-defined]
                                  self._reducer_override)  # type: ignore[attr-defined]
         return super()._backend_update_step(  # type: ignore[misc]
             grads, trainable_variables, learning_rate)

@@ -59,7 +59,9 @@ class _DistributedOptimizerMixin:
         # Not self.name: Keras numbers optimizer names per process (sgd, sgd_1),
         # and a rank that made one more optimizer would then wait on another key.
         key = f"tf/{self._reducer_key or 'optimizer'}/{len(grads)}"
-        grads = reduce_gradients(grads, key, self._reducer_op,
+        variables = list(getattr(self, "_trainable_variables", [])) \
+            if trainable_variables is None else list(trainable_variables)
+        grads = reduce_gradients(grads, variables, key, self._reducer_op,
                                  self._gradient_steps(trainable_variables))
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
 

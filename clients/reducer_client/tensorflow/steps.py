@@ -2,7 +2,8 @@
 
 Every step of a DistributedOptimizer or DistributedGradientTape is one fused
 reduction (_bridge: one flat float32 buffer, one op). GradientSteps is the
-Reducer that op runs through, one per optimizer (one per tape name):
+Reducer that op runs through, one per optimizer (one per tape name and
+variable set):
 
 - join (reducer_client.steps.StepReducer, the core's, as the torch shim's
   optimizer uses it): each step starts with a control round tagged with
@@ -197,13 +198,16 @@ class GradientSteps:
 
 
 def tape_steps(reducer: Reducer | None, name: str, wire_dtype: str | None,
-               predivide_factor: float, op: str) -> GradientSteps:
+               predivide_factor: float, op: str, part: int = 0) -> GradientSteps:
     """The GradientSteps of every DistributedGradientTape of `name` (and settings).
 
-    One per name, not per tape: a loop that wraps a new tape each step keeps
-    one tag and one set of residuals.
+    One per name and part, not per tape: a loop that wraps a new tape each
+    step keeps one tag and one set of residuals. part: which variable set
+    of that name (gradient_tape.py numbers them as they first appear), so
+    that two models' tapes (a GAN's) never share residuals, join shadows or
+    the variables join() copies.
     """
-    settings = (name, wire_dtype, float(predivide_factor), op)
+    settings = (name, wire_dtype, float(predivide_factor), op, part)
     with _lock:
         table = _tapes if reducer is None else _tapes_of.setdefault(reducer, {})
         steps = table.get(settings)
