@@ -9,18 +9,23 @@ feedback carries them into later steps. The student's layers keep their
 kernel as (units, inputs), as torch's Linear does, so the loud feature's
 weights are one element in every 16 of the first kernel and every int8
 block of it holds some (Keras's Dense keeps (inputs, units): the loud
-weights would all sit in one block). After the same steps on the same
-per-rank batches:
-- int8 with error feedback reaches a final loss within MARGIN (15 %, the
-  torch test's) of float32 training, with the DistributedOptimizer in
-  model.fit and with DistributedGradientTape in a custom loop (measured:
-  +9.3 % both, the same training);
-- without feedback (set_error_feedback(False)) the loss is worse (printed,
-  and checked worse than with feedback; measured +34.9 %).
+weights would all sit in one block). One training run's final loss says
+little (from one seed to the next, and from one CPU model to the next, the
+float32 run's alone moves by more than the margin: on an AMD EPYC Zen 3 the
+single-seed version of this test had int8 with feedback 30 % *below*
+float32, on Zen 4 the torch test's +23 %). So, as the torch test does, each
+system trains SEEDS students on the same per-rank batches, the loss is the
+evaluation loss averaged over the last TAIL steps, and systems compare by
+its mean over the seeds:
+- int8 with error feedback within MARGIN (20 %, the torch test's) of
+  float32, with the DistributedOptimizer in model.fit; DistributedGradientTape
+  in a custom loop trains the same (the first seed's loss, within 0.1 %);
+- without feedback (set_error_feedback(False)) worse than with it.
 """
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import numpy as np
@@ -34,7 +39,9 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 150
 B = 16
 LR = 0.01
-MARGIN = 0.15  # relative to the float32 run's final loss
+TAIL = 30  # the loss: evaluated after each of the last TAIL steps, averaged
+SEEDS = (0, 1, 2)  # students; the systems compare by the mean over them
+MARGIN = 0.20  # relative to the float32 runs' mean loss
 SYSTEMS = (("float32", None, "fit"), ("int8", True, "fit"), ("int8", False, "fit"),
            ("int8", True, "tape"))
 WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0",
@@ -82,26 +89,42 @@ def feedback_worker(rank: int, world_size: int, addresses: list[str], job: str) 
         def call(self, x):
             return self.act(keras.ops.matmul(x, keras.ops.transpose(self.kernel)) + self.bias)
 
-    def student() -> keras.Model:
-        keras.utils.set_random_seed(0)  # the same weights on every rank
+    def student(seed: int) -> keras.Model:
+        keras.utils.set_random_seed(seed)  # the same weights on every rank
         return keras.Sequential([keras.Input((16,)), DenseOI(64, "tanh"), DenseOI(64, "tanh"),
                                  DenseOI(4)])
 
     xs, ys = (np.concatenate(a) for a in zip(*[data(k, rank) for k in range(STEPS)],
                                               strict=True))
     x_eval, y_eval = data(10 ** 6, 0, 512)
-    losses, weights = {}, {}
-    for wire, feedback, how in SYSTEMS:
+    def eval_loss(model: keras.Model) -> float:
+        return float(np.mean((model(x_eval).numpy() - y_eval) ** 2))
+
+    class Tail(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch >= STEPS - TAIL:
+                self.losses.append(eval_loss(self.model))
+
+    losses: dict[str, list[float]] = {}
+    weights = {}
+    for seed, (wire, feedback, how) in itertools.product(SEEDS, SYSTEMS):
+        if how == "tape" and seed != SEEDS[0]:
+            continue  # the same training as model.fit's: one seed shows it
         name = system_name(wire, feedback, how)
-        rtf.init(addresses=addresses, job=f"{job}-{name.replace(' ', '-')}", rank=rank,
+        rtf.init(addresses=addresses, job=f"{job}-{seed}-{name.replace(' ', '-')}", rank=rank,
                  world_size=world_size, wire_dtype=wire, timeout=60.0)
         if feedback is not None:
             set_error_feedback(feedback)
-        model = student()
+        model = student(seed)
+        tail = Tail()
         if how == "fit":
             model.compile(optimizer=rtf.DistributedOptimizer(keras.optimizers.Adam(LR)),
                           loss="mse", jit_compile=False)
-            model.fit(xs, ys, batch_size=B, shuffle=False, verbose=0)
+            model.fit(xs, ys, batch_size=B, shuffle=False, verbose=0, callbacks=[tail])
         else:
             opt = keras.optimizers.Adam(LR)
 
@@ -114,10 +137,15 @@ def feedback_worker(rank: int, world_size: int, addresses: list[str], job: str) 
                 opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             for k in range(STEPS):
                 step(xs[k * B:(k + 1) * B], ys[k * B:(k + 1) * B])
-        losses[name] = float(np.mean((model(x_eval).numpy() - y_eval) ** 2))
-        weights[name] = [w.copy() for w in model.get_weights()]
+                if k >= STEPS - TAIL:
+                    tail.losses.append(eval_loss(model))
+        assert len(tail.losses) == TAIL
+        losses.setdefault(name, []).append(float(np.mean(tail.losses)))
+        weights[f"{name} seed {seed}"] = [w.copy() for w in model.get_weights()]
         rtf.shutdown()
-    return {"losses": losses, "weights": weights}
+    return {"losses": {name: float(np.mean(per_seed)) for name, per_seed in losses.items()},
+            "first_seed": {name: per_seed[0] for name, per_seed in losses.items()},
+            "weights": weights}
 
 
 def test_int8_with_feedback_trains_like_float32(daemons):
@@ -133,9 +161,12 @@ def test_int8_with_feedback_trains_like_float32(daemons):
     plain = losses[system_name("int8", False, "fit")]
     report = ", ".join(f"{name} {loss:.5f} ({(loss - base) / base:+.1%})"
                        for name, loss in losses.items())
-    print(f"final loss: {report}")
-    for how in ("fit", "tape"):
-        fed = losses[system_name("int8", True, how)]
-        assert abs(fed - base) <= MARGIN * base, (how, losses)
+    print(f"evaluation loss (last {TAIL} steps, mean of {len(SEEDS)} seeds): {report}")
+    fed = losses[system_name("int8", True, "fit")]
+    assert abs(fed - base) <= MARGIN * base, losses
+    # DistributedGradientTape in a custom loop trains as model.fit does (first seed).
+    first_seed = first["first_seed"]
+    assert first_seed[system_name("int8", True, "tape")] == pytest.approx(
+        first_seed[system_name("int8", True, "fit")], rel=1e-3), first_seed
     # What feedback is for: without it the small gradients never got through.
     assert plain > losses[system_name("int8", True, "fit")], losses
