@@ -170,7 +170,7 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
                     continue
                 view = numpy_view(tensor)
                 if view is None or not np.shares_memory(view, part):
-                    tensor.copy_(torch.from_numpy(np.ascontiguousarray(part)))
+                    tensor.copy_(to_like(part, tensor))
                 results.append(tensor)
         return results[0] if single else results
     return _handle(future, finish, claim)
@@ -310,6 +310,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 
 def to_like(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """`array` as a tensor with like's dtype and device."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device,
-                                                            dtype=like.dtype)
+    """`array` as a tensor of its own shape, with like's dtype and device.
+
+    The reshape keeps a 0-d array 0-d: np.ascontiguousarray makes it 1-d."""
+    contiguous = np.ascontiguousarray(array).reshape(array.shape)
+    return torch.from_numpy(contiguous).to(device=like.device, dtype=like.dtype)

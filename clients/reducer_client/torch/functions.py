@@ -42,22 +42,29 @@ def allreduce(tensor: torch.Tensor, name: str | None = None, op: str = "mean", *
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor]
-                         | Iterable[tuple[str, torch.Tensor]], root_rank: int = 0, *,
+                         | Iterable[tuple[str, torch.Tensor] | torch.Tensor],
+                         root_rank: int = 0, *,
                          reducer: Reducer | None = None) -> None:
     """Overwrite the tensors on every rank with root_rank's, in place.
 
-    `params` is a state_dict (parameters and buffers) or (name, tensor)
-    pairs such as model.named_parameters(); every rank must pass the same
-    names, shapes and dtypes in the same order. All tensors travel together
-    as one flat array.
+    `params` is a state_dict (parameters and buffers), (name, tensor)
+    pairs such as model.named_parameters(), or tensors such as
+    list(model.parameters()) (Horovod takes all three); every rank must pass
+    the same shapes and dtypes in the same order. All tensors travel
+    together as one flat array.
     """
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
-    for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2
-                and isinstance(item[1], torch.Tensor)):
-            raise ValueError("params must be a state_dict or (name, tensor) pairs")
-    _broadcast_tensors(resolve(reducer), [t for _, t in items], "broadcast/parameters",
-                       root_rank)
+    _broadcast_tensors(resolve(reducer), [_tensor_of(item) for item in items],
+                       "broadcast/parameters", root_rank)
+
+
+def _tensor_of(item: Any) -> torch.Tensor:
+    """The tensor of one of broadcast_parameters' items: a tensor or a (name, tensor) pair."""
+    if isinstance(item, torch.Tensor):
+        return item
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+        return item[1]
+    raise ValueError("params must be a state_dict, (name, tensor) pairs or tensors")
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, *,
