@@ -42,8 +42,8 @@ from reducer_client.compression import allreduce_async_on_wire
 from reducer_client.errors import ReducerError
 
 __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW", "control_async",
-           "own_rows", "allreduce_async", "broadcast_async", "allgather_async", "check",
-           "active_count", "call_shape", "join", "register_shadow", "FLOAT_DTYPES"]
+           "own_rows", "allreduce_async", "broadcast_async", "allgather_async", "check", "join",
+           "active_count", "call_shape", "register_shadow", "drop_shadow", "FLOAT_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
 ALLREDUCE, BROADCAST, ALLGATHER, STEP, CHECK = 1, 2, 3, 4, 5
@@ -145,12 +145,6 @@ _FIELDS: tuple[tuple[str, Callable[[np.ndarray, int], object]], ...] = (
 )
 
 
-def _show(field: str, value: object) -> str:
-    if field == "shape" and isinstance(value, tuple):
-        return str(value[0])
-    return str(value)
-
-
 def check(rows: np.ndarray, call: Call) -> int:
     """Raise if the active ranks' rows disagree; return how many ranks are active."""
     active = [r for r in range(rows.shape[0]) if rows[r, _PRESENT] == 1]
@@ -161,7 +155,7 @@ def check(rows: np.ndarray, call: Call) -> int:
             for r, v in values.items():
                 by_value.setdefault(v, []).append(r)
             parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} "
-                              f"{', '.join(map(str, rs))}: {_show(field, v)}"
+                              f"{', '.join(map(str, rs))}: {v[0] if isinstance(v, tuple) else v}"
                               for v, rs in by_value.items())
             raise ReducerError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{call.describe()}: ranks disagree on {field} ({parts})")
@@ -221,10 +215,16 @@ def register_shadow(reducer: Reducer, shadow: Callable[[np.ndarray], None]) -> i
     """
     session = _session(reducer)
     with session._lock:
-        tag = session.next_tag
-        session.next_tag += 1
+        tag, session.next_tag = session.next_tag, session.next_tag + 1
         session.shadows[tag] = shadow
     return tag
+
+
+def drop_shadow(reducer: Reducer, tag: int) -> None:
+    """Forget tag's shadow (its optimizer is gone): a joined rank then fails its steps."""
+    session = _session(reducer)
+    with session._lock:
+        session.shadows.pop(tag, None)
 
 
 def _control(reducer: Reducer, row: np.ndarray) -> Future[np.ndarray]:

@@ -21,6 +21,7 @@ import torch
 from reducer_client.elastic import HostsUpdatedInterrupt, ObjectState
 from reducer_client.elastic import make_run as _make_run
 from reducer_client.torch._basics import basics as _basics
+from reducer_client.torch._lifetime import forget_all_residuals
 from reducer_client.torch.compat import (
     broadcast_object,
     broadcast_optimizer_state,
@@ -36,9 +37,11 @@ class TorchState(ObjectState):
     """A model, an optimizer and picklable attributes kept across failures.
 
     commit keeps deep copies of model.state_dict() and optimizer.state_dict();
-    restore loads them back; sync copies rank 0's parameters, buffers,
-    optimizer state and attributes to every rank and makes them the commit
-    (a worker that just joined goes back to rank 0's state, not its own).
+    restore loads them back and forgets every error-feedback residual (they
+    belong to the steps undone; the TensorFlow shim's restore does the same);
+    sync copies rank 0's parameters, buffers, optimizer state and attributes
+    to every rank and makes them the commit (a worker that just joined goes
+    back to rank 0's state, not its own).
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -64,6 +67,7 @@ class TorchState(ObjectState):
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None and self._saved_optimizer is not None:
             self.optimizer.load_state_dict(self._saved_optimizer)
+        forget_all_residuals()
         super().restore()
 
     def sync(self) -> None:

@@ -25,91 +25,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
-import numpy as np
 import torch
-from reducer_wire import dtypes
 
 from reducer_client.api import Reducer
 from reducer_client.errors import ReducerError, first_cause
+from reducer_client.steps import StepReducer
 from reducer_client.torch._basics import next_index, resolve
-from reducer_client.torch._tensors import Staging, flat_dtype, staging_for
+from reducer_client.torch._buckets import Bucket as _Bucket
+from reducer_client.torch._buckets import plan_buckets as _plan_buckets
+from reducer_client.torch._lifetime import Leftovers, weak_hook
+from reducer_client.torch._tensors import Staging, staging_for
 from reducer_client.torch.overlap import ForwardOverlap
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES"]
 
 # DDP's default bucket_cap_mb.
 DEFAULT_BUCKET_BYTES = 25 << 20
-# The largest block of any wire dtype (int8's): a bucket's flags start on one.
-_FLAG_ALIGN = max(dtypes.wire_block(value) for value in dtypes.WIRE_DTYPES.values())
-
-class _Bucket:
-    """Parameters reduced together as one flat tensor under one key.
-
-    The flat tensor holds the gradients, zeros up to the next whole int8
-    block, then one presence flag per parameter (1 where this rank had a
-    gradient). The flags start a block of their own so that int8's scale
-    per block (reducer_wire.quant) never covers a flag and a gradient
-    together: a flag's 1 would set the scale of the bucket's last gradients,
-    often 1000 times smaller, and round them away. It is allocated at the
-    first step and reduced into itself on CPU (through its key's pinned host
-    buffer on CUDA), so later steps allocate nothing for the reduction.
-    """
-
-    def __init__(self, key: str, params: list[torch.Tensor], names: list[str]) -> None:
-        self.key, self.params, self.names = key, params, names
-        self.numels = [p.numel() for p in params]
-        self.offsets = list(itertools.accumulate(self.numels, initial=0))[:-1]
-        self.numel = sum(self.numels)
-        self.flags_at = -(-self.numel // _FLAG_ALIGN) * _FLAG_ALIGN
-        self.flat: torch.Tensor | None = None
-        # Step state, guarded by _GradientReducer._lock.
-        self.ready = 0
-        self.launched = False
-        self.future: Future[np.ndarray] | None = None
-
-    def fill_flat(self) -> torch.Tensor:
-        """Copy the gradients (zeros where missing) and presence flags into the flat tensor."""
-        first = self.params[0]
-        if self.flat is None:
-            self.flat = torch.empty(self.flags_at + len(self.params), device=first.device,
-                                    dtype=flat_dtype(first.dtype))
-            self.flat[self.numel:self.flags_at].zero_()  # zeros reduce to zeros: once
-        # Device-side fills only: a host-to-device copy of the flags would
-        # wait for the stream and so for the rest of backward.
-        flags = self.flat[self.flags_at:]
-        flags.fill_(1.0)
-        for index, (param, name, offset, numel) in enumerate(zip(
-                self.params, self.names, self.offsets, self.numels, strict=True)):
-            grad = param.grad
-            target = self.flat[offset:offset + numel]
-            if grad is None:
-                target.zero_()
-                flags[index].fill_(0.0)
-            elif grad.is_sparse:
-                raise ValueError(f"parameter {name!r} has a sparse gradient: not supported")
-            else:
-                target.copy_(grad.reshape(-1))
-        return self.flat
-
-    def write_back(self, result: np.ndarray) -> None:
-        """Set each parameter's .grad from the reduced flat tensor (already in self.flat)."""
-        assert self.flat is not None
-        present = result[self.flags_at:] > 0  # read on the host: no device sync
-        for param, offset, numel, had_grad in zip(self.params, self.offsets, self.numels,
-                                                  present, strict=True):
-            if not had_grad:
-                continue  # no rank had a gradient: leave .grad alone (None)
-            reduced = self.flat[offset:offset + numel].view_as(param)
-            if param.grad is None:
-                param.grad = reduced.to(param.dtype, copy=True)
-            else:
-                param.grad.copy_(reduced)
 
 
 class _GradientReducer:
@@ -120,8 +56,11 @@ class _GradientReducer:
                  prefix: str, prioritize: bool = False) -> None:
         self.reducer, self.op = reducer, op
         self.backward_passes_per_step = backward_passes_per_step
-        self.staging: Staging = staging_for(reducer)
         self.buckets = _plan_buckets(named_params, bucket_bytes, prefix)
+        # Dropped once the optimizer is gone (DistributedOptimizer's finalizer).
+        self.leftovers = Leftovers(staging_for(reducer), [b.key for b in self.buckets])
+        if isinstance(reducer, StepReducer):  # its join shadow
+            self.leftovers.shadow = (weakref.ref(reducer.base), reducer.tag)
         # Buckets go in reverse order of the parameters, so bucket i + 1 holds
         # layers nearer the input: the next forward needs it sooner.
         self._priorities = {id(b): i + 1 if prioritize else 0
@@ -134,8 +73,20 @@ class _GradientReducer:
         # of synchronize(). Launches happen outside it.
         self._lock = threading.Lock()
         self._passes_left = {pid: backward_passes_per_step for pid in self._where}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_accumulated)
+        # Weak: the parameters must not keep a dropped optimizer's reducer running.
+        hook = weak_hook(self._on_accumulated)
+        self._handles = [p.register_post_accumulate_grad_hook(hook)
                          for b in self.buckets for p in b.params]
+        self.leftovers.removers.extend(h.remove for h in self._handles)
+
+    @property
+    def staging(self) -> Staging:
+        """Where the buckets are reduced (the client's, or the optimizer's wire's)."""
+        return self.leftovers.staging
+
+    @staging.setter
+    def staging(self, staging: Staging) -> None:
+        self.leftovers.staging = staging
 
     def _on_accumulated(self, param: torch.Tensor) -> None:
         bucket, name = self._where[id(param)]
@@ -208,30 +159,6 @@ class _GradientReducer:
             for bucket in self.buckets:
                 bucket.ready, bucket.launched, bucket.future = 0, False, None
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _plan_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                  prefix: str) -> list[_Bucket]:
-    """Pack parameters, in reverse order, into buckets of one device and dtype each."""
-    open_buckets: dict[tuple[torch.device, torch.dtype], tuple[list, list, int]] = {}
-    closed: list[tuple[list, list]] = []
-    for name, param in reversed(named_params):
-        group = (param.device, param.dtype)
-        params, names, nbytes = open_buckets.get(group, ([], [], 0))
-        param_bytes = param.numel() * param.element_size()
-        if params and nbytes + param_bytes > bucket_bytes:
-            closed.append((params, names))
-            params, names, nbytes = [], [], 0
-        params.append(param)
-        names.append(name)
-        open_buckets[group] = (params, names, nbytes + param_bytes)
-    closed.extend((params, names) for params, names, _ in open_buckets.values())
-    return [_Bucket(f"{prefix}/bucket.{i}", params, names)
-            for i, (params, names) in enumerate(closed)]
-
 
 class _DistributedOptimizer:
     """Mixin put in front of the wrapped optimizer's class (see DistributedOptimizer)."""
@@ -268,7 +195,9 @@ class _DistributedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         if self._overlap is not None and not (self._synchronized or self._skip_sync):
-            self._overlap.step(super().step)  # type: ignore[misc]
+            # Weakly: the overlap keeps it after the step, and the model keeps the overlap.
+            base_step = weakref.WeakMethod(super().step)  # type: ignore[misc]
+            self._overlap.step(lambda: base_step()())  # type: ignore[misc]
             return loss  # the updates apply in the next forward
         if not (self._synchronized or self._skip_sync):
             self._gradients.synchronize()
@@ -328,6 +257,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     keys of this optimizer's buckets (default "optimizer.N", N counting the
     DistributedOptimizers created with this reducer); it must be the same on
     every rank. `reducer` defaults to the process-wide client of init().
+    Once the returned optimizer is gone (no reference left), its gradient
+    hooks are removed and its keys' error-feedback residuals and join shadow
+    dropped, so a new DistributedOptimizer may wrap the same parameters.
 
     overlap_forward=model: step() only starts the buckets still open and
     returns; each module's next forward first waits for the buckets holding
@@ -363,8 +295,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         name if name is not None else f"optimizer.{next_index(reducer, 'optimizer')}",
         prioritize)
     distributed._synchronized = distributed._skip_sync = False
-    distributed._overlap = (None if overlap_forward is None else
-                            ForwardOverlap(distributed, distributed._gradients, overlap_forward))
+    # The model's hooks hold the overlap: it holds the optimizer weakly.
+    distributed._overlap = (None if overlap_forward is None else ForwardOverlap(
+        cast(torch.optim.Optimizer, weakref.proxy(distributed)), distributed._gradients,
+        overlap_forward))
+    if distributed._overlap is not None:
+        distributed._gradients.leftovers.removers.append(distributed._overlap.remove_hooks)
+    weakref.finalize(distributed, distributed._gradients.leftovers).atexit = False
     return distributed
 
 

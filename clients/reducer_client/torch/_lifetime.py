@@ -1,0 +1,77 @@
+"""What the shim's objects leave in state shared per Reducer, and dropping it.
+
+One Staging per Reducer (torch/_tensors.py) serves every DDP model and
+DistributedOptimizer on it; with error feedback on it keeps a float32
+residual and a wire-sized buffer per key, and the collectives session keeps
+a join shadow per optimizer. Parameter hooks would keep an optimizer's
+gradient reducer running after the optimizer is gone. So a
+DistributedOptimizer's hooks hold it weakly, and once it is gone its
+Leftovers remove the hooks, forget its keys' residuals and its shadow.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from reducer_client import collectives as coll
+from reducer_client.api import Reducer
+from reducer_client.torch import _tensors
+from reducer_client.torch._tensors import Staging
+
+__all__ = ["forget_residuals", "forget_all_residuals", "weak_hook", "Leftovers"]
+
+
+def forget_residuals(staging: Staging, keys: Iterable[str] | None = None) -> None:
+    """Drop the error-feedback residuals of `keys` (None: every key) of `staging`."""
+    # Chosen once under the staging's lock (at the first reduction, or by
+    # set_error_feedback); reading the reference needs no lock.
+    feedback = staging._feedback
+    if feedback is None:
+        return
+    if keys is None:
+        feedback.forget()
+    else:
+        for key in keys:
+            feedback.forget(key)
+
+
+def forget_all_residuals() -> None:
+    """Drop every Reducer's residuals (an elastic restore: they belong to undone steps)."""
+    with _tensors._stagings_lock:
+        stagings = list(_tensors._stagings.values())
+    for staging in stagings:
+        forget_residuals(staging)
+
+
+def weak_hook(method: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A hook that calls the bound `method` while its object lives, and then nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(arg: Any) -> None:
+        target = ref()
+        if target is not None:
+            target(arg)
+    return hook
+
+
+class Leftovers:
+    """What one DistributedOptimizer leaves behind: its hooks (as their removers),
+    its buckets' keys in `staging` and its join shadow (the reducer it was
+    registered with, held weakly, and its tag). Calling it drops them all;
+    weakref.finalize calls it once the optimizer is gone."""
+
+    def __init__(self, staging: Staging, keys: list[str]) -> None:
+        self.staging, self.keys = staging, keys
+        self.removers: list[Callable[[], Any]] = []
+        self.shadow: tuple[weakref.ref[Reducer], int] | None = None
+
+    def __call__(self) -> None:
+        for remove in self.removers:
+            remove()
+        forget_residuals(self.staging, self.keys)
+        if self.shadow is not None:
+            reducer = self.shadow[0]()
+            if reducer is not None:
+                coll.drop_shadow(reducer, self.shadow[1])
