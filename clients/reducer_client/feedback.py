@@ -119,6 +119,19 @@ class ErrorFeedback:
         if not np.isfinite(residual).all():
             residual[~np.isfinite(residual)] = 0.0
 
+    def move(self, key: str, order: np.ndarray) -> None:
+        """Reorder the key's residual: element i takes what element order[i] had
+        (a bucket whose parameters were laid out anew, as DDP's rebuild does).
+        A residual of another size is dropped instead."""
+        with self._lock:
+            state = self._keys.get(key)
+            if state is None:
+                return
+            if state.residual.size != order.size:
+                del self._keys[key]
+                return
+        state.residual[:] = state.residual[order]
+
     def forget(self, key: str | None = None) -> None:
         """Drop one key's residual, or all (a fresh start, e.g. after a restore)."""
         with self._lock:
@@ -143,6 +156,9 @@ class NodeFeedback(ErrorFeedback):
 
     def apply(self, key: str, values: np.ndarray, scale: float = 1.0) -> None:
         self._residues.want(key)
+
+    def move(self, key: str, order: np.ndarray) -> None:
+        self._residues.forget(key)  # the node's slices are cut anew: start afresh
 
     def forget(self, key: str | None = None) -> None:
         self._residues.forget(key)

@@ -3,7 +3,8 @@
 Scenarios: two DDP models on one client (a GAN, teacher and student) with
 error feedback on must not share residuals, and join() must re-sync both;
 DDP's bucket rebuild keeps a bucket's size and reorders its parameters, so
-the first layout's residual must be forgotten; models get keys in the order
+the first layout's residual must not land on other parameters, and each
+parameter's residual goes with it to its new place; models get keys in the order
 of their first backward, and models the hook cannot tell apart raise (a
 HookState per model separates them).
 """
@@ -78,7 +79,7 @@ def test_two_ddp_models_keep_their_own_residuals(one_rank_group):
     assert all(id(p) in hooked for m in (big, small) for p in m.parameters())
 
 
-def test_ddp_rebuild_forgets_the_residual(one_rank_group):
+def test_ddp_rebuild_keeps_residuals_off_other_parameters(one_rank_group):
     """DDP's bucket rebuild keeps the bucket's size and reorders its parameters:
     the residual of the first layout must not be added to the second."""
 
@@ -101,6 +102,44 @@ def test_ddp_rebuild_forgets_the_residual(one_rank_group):
         model().backward()
         torch.testing.assert_close(model.module.w2.grad, torch.full((128,), 0.001),
                                    rtol=0.01, atol=0.0)
+
+
+def test_ddp_rebuild_carries_each_parameters_residual_to_its_new_place(one_rank_group):
+    """The residual of a parameter DDP's rebuild moves within its bucket goes
+    with it. Each parameter is one int8 block: an outlier 1.0 and small values
+    below half a step (1/254), +0.003 in w1's gradient and -0.003 in w2's. The
+    first step drops them (their residual is kept); the second, on the rebuilt
+    layout (w2 first), sends twice them, which rounds to one step, +-1/127,
+    only if each residual followed its parameter (forgotten: 0; left in place,
+    w1's +0.003 meets w2's -0.003: 0)."""
+    step, small = 1.0 / 127, 0.003
+
+    def pattern(sign: float) -> torch.Tensor:
+        values = torch.full((128,), sign * small)
+        values[0] = 1.0
+        return values
+
+    class Crossed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = torch.nn.Parameter(pattern(-1.0))  # w2's gradient
+            self.w2 = torch.nn.Parameter(pattern(+1.0))  # w1's gradient
+
+        def forward(self):  # w1 is used first, so its gradient is ready last
+            return (self.w2 * (self.w1 * 1.0)).sum()
+
+    reducer = LocalGroup(1, wire_dtype="int8").client(0)
+    model = DDP(Crossed())
+    model.register_comm_hook(state=reducer, hook=rt.allreduce_hook)
+    seen = []
+    for _ in range(2):
+        model.zero_grad()
+        model().backward()
+        seen.append((model.module.w1.grad[1:].clone(), model.module.w2.grad[1:].clone()))
+    (w1_first, w2_first), (w1_second, w2_second) = seen
+    assert not w1_first.any() and not w2_first.any()  # dropped by the rounding
+    torch.testing.assert_close(w1_second, torch.full((127,), step), rtol=1e-3, atol=0.0)
+    torch.testing.assert_close(w2_second, torch.full((127,), -step), rtol=1e-3, atol=0.0)
 
 
 class Bucket:

@@ -15,12 +15,16 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+import torch
+
 from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.torch import _tensors
 from reducer_client.torch._tensors import Staging
 
-__all__ = ["forget_residuals", "forget_all_residuals", "weak_hook", "Leftovers"]
+__all__ = ["forget_residuals", "move_residual", "forget_all_residuals", "weak_hook",
+           "Leftovers"]
 
 
 def forget_residuals(staging: Staging, keys: Iterable[str] | None = None) -> None:
@@ -35,6 +39,26 @@ def forget_residuals(staging: Staging, keys: Iterable[str] | None = None) -> Non
     else:
         for key in keys:
             feedback.forget(key)
+
+
+def move_residual(staging: Staging, key: str, before: list[torch.Tensor],
+                  after: list[torch.Tensor]) -> None:
+    """Carry a bucket's residual over to its new layout: the same parameters in
+    another order (DDP's rebuild) keep what each of them had; other parameters
+    start afresh. A bucket's elements are its parameters' in order."""
+    feedback = staging._feedback
+    if feedback is None:
+        return
+    starts, offset = {}, 0
+    for param in before:
+        starts[id(param)] = (offset, param.numel())
+        offset += param.numel()
+    if len(before) != len(after) or any(id(p) not in starts for p in after):
+        feedback.forget(key)
+        return
+    order = np.concatenate([np.arange(start, start + numel)
+                            for start, numel in (starts[id(p)] for p in after)])
+    feedback.move(key, order)
 
 
 def forget_all_residuals() -> None:

@@ -29,7 +29,9 @@ model whose parameters it holds. Where two models' first backward passes
 interleave so that a bucket could belong to either, the hook raises: give
 each model a HookState of its own (its keys then follow that state). A
 bucket's parameters differing from its last call (DDP's rebuild reorders
-them, whatever the size) forget its error-feedback residual.
+them, whatever the size) carry their error-feedback residual to their new
+places (_lifetime.move_residual); a bucket that gained or lost parameters
+starts afresh.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook compares
@@ -51,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.torch._basics import resolve
-from reducer_client.torch._lifetime import forget_residuals
+from reducer_client.torch._lifetime import move_residual
 from reducer_client.torch._tensors import staging_for
 
 __all__ = ["allreduce_hook", "hook_parameters", "HookState"]
@@ -250,8 +252,8 @@ def allreduce_hook(state: HookState | Reducer | None, bucket: _GradBucket,
     joinable = _joinable(reducer)
     model, before = joinable.bucket_model(hook_state, bucket)
     key = _bucket_key(model.slot, index)
-    if before is not None:  # other parameters (DDP's rebuild): the residual is not theirs
-        forget_residuals(staging, [key])
+    if before is not None:  # laid out anew (DDP's rebuild): each parameter keeps its residual
+        move_residual(staging, key, before, bucket.parameters())
     call = _bucket_call(reducer, joinable.tag, model.slot, index, buffer.numel())
     cuda = buffer.device.type == "cuda"
     stream = torch.cuda.current_stream(buffer.device) if cuda else None
