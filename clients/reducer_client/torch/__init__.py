@@ -3,6 +3,7 @@
     import reducer_client.torch as rt
     rt.init()                                   # or rt.init(**ReducerClient keyword arguments)
     ddp_model.register_comm_hook(state=rt.client(), hook=rt.allreduce_hook)
+    # several DDP models on one client: state=rt.HookState() for each (hooks.py)
     opt = rt.DistributedOptimizer(opt, named_parameters=model.named_parameters(), op="mean")
     rt.broadcast_parameters(model.state_dict(), root_rank=0)
     rt.broadcast_optimizer_state(opt, root_rank=0)
@@ -78,7 +79,7 @@ from reducer_client.torch.compat import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from reducer_client.torch.hooks import allreduce_hook
+from reducer_client.torch.hooks import HookState, allreduce_hook
 from reducer_client.torch.join import join
 from reducer_client.torch.optimizer import DEFAULT_BUCKET_BYTES
 
@@ -107,6 +108,7 @@ __all__ = [
     "allreduce_async",
     "allreduce_async_",
     "allreduce_hook",
+    "HookState",
     "barrier",
     "broadcast",
     "broadcast_",
