@@ -9,6 +9,7 @@ restore forgets the residuals of the steps it undoes.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -18,6 +19,7 @@ torch = pytest.importorskip("torch")
 import reducer_client.torch as rt  # noqa: E402
 from reducer_client import collectives as coll  # noqa: E402
 from reducer_client.testing import LocalGroup  # noqa: E402
+from reducer_client.torch import _lifetime  # noqa: E402
 from reducer_client.torch._tensors import staging_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,10 +92,39 @@ def test_dropped_optimizers_free_their_residuals_and_shadows():
         opt.zero_grad()
         model(torch.ones(4, 64)).sum().backward()
         opt.step()
+        # The kept one's and this one's: those gone went when this one was made.
+        assert len(_residual_keys(reducer)) == 2
+        assert len(coll._session(reducer).shadows) == 2
         del opt, model
         gc.collect()
+    _lifetime.drop_leftovers()  # what the next optimizer made would do
     assert _residual_keys(reducer) == ["optimizer.0/bucket.0"]
     assert list(coll._session(reducer).shadows) == [kept._steps.tag]
+
+
+def test_an_optimizer_gone_in_a_thread_holding_the_feedbacks_lock_does_not_deadlock():
+    """A finalizer may run inside a garbage collection while its thread holds
+    the lock it would need (the optimizer in a reference cycle, collected at an
+    allocation inside ErrorFeedback.apply): it takes no lock of ours."""
+    reducer = LocalGroup(1, wire_dtype="int8").client(0)
+    model = torch.nn.Linear(4, 4)
+    opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  reducer=reducer)
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    leftovers = opt._gradients.leftovers
+    feedback = staging_for(reducer)._feedback
+    done = threading.Event()
+
+    def gone_while_locked():
+        with feedback._lock, coll._session(reducer)._lock:
+            leftovers()
+        done.set()
+    threading.Thread(target=gone_while_locked, daemon=True).start()
+    assert done.wait(10), "the finalizer waited for a lock its own thread held"
+    _lifetime.drop_leftovers()
+    assert _residual_keys(reducer) == []
 
 
 def test_restore_forgets_the_residuals():

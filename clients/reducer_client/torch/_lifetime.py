@@ -12,6 +12,7 @@ Leftovers remove the hooks, forget its keys' residuals and its shadow.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +25,7 @@ from reducer_client.torch import _tensors
 from reducer_client.torch._tensors import Staging
 
 __all__ = ["forget_residuals", "move_residual", "forget_all_residuals", "weak_hook",
-           "Leftovers"]
+           "Leftovers", "drop_leftovers"]
 
 
 def forget_residuals(staging: Staging, keys: Iterable[str] | None = None) -> None:
@@ -63,6 +64,7 @@ def move_residual(staging: Staging, key: str, before: list[torch.Tensor],
 
 def forget_all_residuals() -> None:
     """Drop every Reducer's residuals (an elastic restore: they belong to undone steps)."""
+    drop_leftovers()
     with _tensors._stagings_lock:
         stagings = list(_tensors._stagings.values())
     for staging in stagings:
@@ -92,10 +94,33 @@ class Leftovers:
         self.shadow: tuple[weakref.ref[Reducer], int] | None = None
 
     def __call__(self) -> None:
+        """The optimizer is gone: its hooks go now; the rest at the next
+        drop_leftovers(). A finalizer can run inside a garbage collection,
+        in any thread, even one that holds the feedback's or the session's
+        lock, so it takes neither: appending to a deque takes no lock of ours."""
         for remove in self.removers:
             remove()
+        _dropped.append(self)
+
+    def drop(self) -> None:
         forget_residuals(self.staging, self.keys)
         if self.shadow is not None:
             reducer = self.shadow[0]()
             if reducer is not None:
                 coll.drop_shadow(reducer, self.shadow[1])
+
+
+# Leftovers of optimizers that are gone, waiting for drop_leftovers().
+_dropped: deque[Leftovers] = deque()
+
+
+def drop_leftovers() -> None:
+    """Forget the residuals and shadows of every optimizer gone since the last
+    call (each new DistributedOptimizer calls it: what one leaves stays bounded
+    by one optimizer's)."""
+    while True:
+        try:
+            leftovers = _dropped.popleft()
+        except IndexError:
+            return
+        leftovers.drop()

@@ -38,7 +38,7 @@ from reducer_client.steps import StepReducer
 from reducer_client.torch._basics import next_index, resolve
 from reducer_client.torch._buckets import Bucket as _Bucket
 from reducer_client.torch._buckets import plan_buckets as _plan_buckets
-from reducer_client.torch._lifetime import Leftovers, weak_hook
+from reducer_client.torch._lifetime import Leftovers, drop_leftovers, weak_hook
 from reducer_client.torch._tensors import Staging, staging_for
 from reducer_client.torch.overlap import ForwardOverlap
 
@@ -57,6 +57,7 @@ class _GradientReducer:
         self.reducer, self.op = reducer, op
         self.backward_passes_per_step = backward_passes_per_step
         self.buckets = _plan_buckets(named_params, bucket_bytes, prefix)
+        drop_leftovers()  # of optimizers gone before this one
         # Dropped once the optimizer is gone (DistributedOptimizer's finalizer).
         self.leftovers = Leftovers(staging_for(reducer), [b.key for b in self.buckets])
         if isinstance(reducer, StepReducer):  # its join shadow
