@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 import weakref
@@ -48,20 +47,19 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.framing import shutdown_quietly
 
 from reducer_client.errors import ReducerError
+from reducer_client.node.connect import connect
 from reducer_client.node.coordinator import Coordinator, encode
 from reducer_client.node.residues import SliceResidues
 from reducer_client.node.shm import (
     attach_segment,
     close_segment,
     segment_prefix,
-    socket_address,
     sweep_segments,
 )
 from reducer_client.node.topology import NodeTopology, node_slice
 
 __all__ = ["NodeGroup", "SliceSender"]
 
-_CONNECT_RETRY_S = 0.05
 # A node op gives up this long after its own deadline if nobody told it why
 # (the coordinator and the daemon phase report first, with their reasons).
 _BACKSTOP_GRACE_S = 1.0
@@ -118,7 +116,7 @@ class NodeGroup:
         # _send_lock serializes writes to the coordinator socket (any thread).
         self._send_lock = threading.Lock()
         try:
-            self._sock = self._connect()
+            self._sock, self.incarnation = connect(job, topology, timeout_s)
         except BaseException:
             if self._coordinator is not None:
                 self._coordinator.close()
@@ -197,43 +195,6 @@ class NodeGroup:
 
     # -- coordinator connection ----------------------------------------------
 
-    def _connect(self) -> socket.socket:
-        """Connect to local rank 0's socket (retrying while it starts) and say hello."""
-        topo = self.topology
-        deadline = time.monotonic() + self.timeout_s
-        address = socket_address(self.job, topo.node)
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(address)
-                break
-            except OSError:
-                sock.close()
-                if time.monotonic() >= deadline:
-                    raise ReducerError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"node-local aggregation, job {self.job!r} node {topo.node}: local "
-                        f"rank 0 did not open the node's socket within {self.timeout_s:g} s "
-                        "(is it running, with the same job and local size? "
-                        "REDUCER_NODE_LOCAL=0 turns node-local aggregation off)") from None
-                time.sleep(_CONNECT_RETRY_S)
-        sock.settimeout(max(0.1, deadline - time.monotonic()))
-        try:
-            sock.sendall(encode(["hello", topo.local_rank, topo.local_size, topo.nodes]))
-            answer = sock.makefile("rb").readline()
-        except OSError as exc:
-            sock.close()
-            raise ReducerError(grpc.StatusCode.UNAVAILABLE,
-                               f"node-local aggregation: no answer from local rank 0 of "
-                               f"node {topo.node}: {exc}") from exc
-        sock.settimeout(None)
-        message = json.loads(answer) if answer else ["abort", "local rank 0 hung up"]
-        if message[0] != "welcome":
-            sock.close()
-            raise ReducerError(grpc.StatusCode.FAILED_PRECONDITION, message[1])
-        self.incarnation = int(message[1]) if len(message) > 1 else 0  # the node's: rank 0's
-        return sock
-
     def _send(self, message: list[Any]) -> None:
         with self._send_lock:
             try:
@@ -264,7 +225,14 @@ class NodeGroup:
                 node_op.phase = "result"  # from here on nothing can fail it
         if node_op is None:
             return
-        if kind == "seg":
+        if kind == "seg" and not str(msg[3]).startswith(self._prefix):
+            # Only this job's and node's segments: whoever named it is not our coordinator.
+            self._fail(node_op, ReducerError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"job {self.job!r} key {msg[1]!r} round {msg[2]}: the node's socket named "
+                f"segment {msg[3]!r}, not this job's and node's ({self._prefix}...): "
+                "not attached"), tell=False)
+        elif kind == "seg":
             node_op.segment = self._segment(msg[3])
             node_op.ready.set()
         elif kind == "fail":

@@ -1,0 +1,167 @@
+"""NodeGroup's edges without daemons: who it connects to, what it attaches,
+where the callers' callbacks run, and how it finds a coordinator that is
+going away.
+
+Each test runs the node's workers as NodeGroups in this process (threads),
+with a loopback in place of the daemons (nodes=1: the node sum is the
+result). Every wait is bounded; every test leaves nothing in /dev/shm.
+"""
+
+import itertools
+import json
+import os
+import socket
+import threading
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+import pytest
+from reducer_client.errors import ReducerError
+from reducer_client.node.group import NodeGroup
+from reducer_client.node.shm import SHM_DIR, segment_prefix, socket_address
+from reducer_client.node.topology import NodeTopology
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+pytestmark = pytest.mark.timeout(30)
+_jobs = itertools.count()
+FLOAT32 = pb.DTYPE_FLOAT32
+SUM = pb.REDUCE_OP_SUM
+
+
+class _Sent:
+    """What SliceSender returns: a future and a way to stop waiting for it."""
+
+    def __init__(self) -> None:
+        self.future: Future = Future()
+
+    def fail(self, error: ReducerError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+def loopback(values, start, out, key, round_, dtype, op):
+    """One node: the daemons' result is the node's sum."""
+    out[start:start + len(values)] = values
+    sent = _Sent()
+    sent.future.set_result(None)
+    return sent
+
+
+@pytest.fixture
+def job():
+    name = f"unit-edges-{os.getpid()}-{next(_jobs)}"
+    yield name
+    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix(name, 0))]
+    for n in leftovers:
+        os.unlink(os.path.join(SHM_DIR, n))
+    assert leftovers == []
+
+
+def group(job, local_rank, local_size=2, timeout_s=2.0, send=loopback):
+    return NodeGroup(job, NodeTopology(local_rank, local_size, 0, 1), timeout_s, send)
+
+
+def groups(job, local_size=2, timeout_s=2.0, send=loopback):
+    """Every local rank's NodeGroup, built at once (rank 0 hosts the coordinator)."""
+    made = [None] * local_size
+
+    def build(rank):
+        made[rank] = group(job, rank, local_size, timeout_s, send)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(local_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(made)
+    return made
+
+
+def reduce(g, values, key, round_=0):
+    flat = np.asarray(values, np.float32)
+    return g.reduce(flat, flat.shape, np.dtype(np.float32), key, round_, FLOAT32, SUM, None)
+
+
+def _fake_listener(address):
+    """Bind the node's socket before local rank 0 does."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    listener.settimeout(5)
+    return listener
+
+
+def _serve_fake(listener, answer_join):
+    """Welcome a hello, answer a join with the segment `answer_join`."""
+    try:
+        conn, _ = listener.accept()
+        conn.settimeout(5)
+        lines = conn.makefile("rb")
+        if lines.readline():
+            conn.sendall(b'["welcome",0]\n')
+        join = lines.readline()
+        if join and answer_join is not None:
+            _, key, round_, _ = json.loads(join)
+            conn.sendall(json.dumps(["seg", key, round_, answer_join]).encode() + b"\n")
+        lines.readline()  # hold the connection until the worker hangs up
+    except OSError:
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "setuid") or os.geteuid() != 0,
+                    reason="needs root to run a listener as another user")
+def test_a_socket_bound_by_another_user_is_refused(job):
+    """Scenario: another local user (nobody) binds the node's abstract socket
+    before local rank 0. Local rank 1 connects to it: it must refuse a
+    listener of another uid, naming it, instead of taking its segment."""
+    address = socket_address(job, 0)  # the victim's: its uid is in the name
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user
+        try:
+            os.close(ready_r)
+            os.setgid(65534)
+            os.setuid(65534)
+            listener = _fake_listener(address)
+            os.write(ready_w, b"x")
+            _serve_fake(listener, None)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        with pytest.raises(ReducerError) as info:
+            g = group(job, 1, timeout_s=2.0)
+            g.close()
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "uid 65534" in str(info.value)
+    finally:
+        os.close(ready_r)
+        os.waitpid(pid, 0)
+
+
+def test_a_segment_outside_the_jobs_prefix_is_never_attached(job):
+    """Scenario: the node's socket answers a join with a segment that is not
+    this job's and node's (`reducer-<uid>-<job>-n<node>-...`): the worker fails
+    the operation and writes nothing into that segment."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    foreign = SharedMemory(name=f"other-{os.getpid()}-{next(_jobs)}", create=True, size=4096)
+    listener = _fake_listener(socket_address(job, 0))
+    server = threading.Thread(target=_serve_fake, args=(listener, foreign.name), daemon=True)
+    server.start()
+    try:
+        g = group(job, 1, timeout_s=1.0)
+        try:
+            future = reduce(g, [1.0, 2.0, 3.0], "k")
+            with pytest.raises(ReducerError, match="not this job's"):
+                future.result(5)
+            assert bytes(foreign.buf[:64]) == bytes(64)  # nothing written
+        finally:
+            g.close()
+    finally:
+        server.join(5)
+        listener.close()
+        foreign.close()
+        foreign.unlink()
