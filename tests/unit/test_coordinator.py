@@ -183,3 +183,58 @@ def test_close_ends_every_connection(node):
     assert a.next()[0] == "seg"
     coordinator.close()
     assert a.next() is None  # end of stream: the worker's reader fails what is open
+
+
+def test_dev_shm_that_cannot_hold_a_new_segment_fails_only_that_operation(node, monkeypatch):
+    """Scenario: two keys in flight each pass the free-space check, but tmpfs
+    takes pages only when written, so together they would overrun /dev/shm
+    and the workers would die of SIGBUS. The coordinator reserves a new
+    segment's pages at creation (posix_fallocate): ENOSPC there fails that
+    operation with RESOURCE_EXHAUSTED and leaves no name behind; the next
+    operation, with room again, gets its segment."""
+    import errno
+
+    job, _, peer = node
+    a, b = peer(0), peer(1)
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    for p in (a, b):
+        p.send("join", "k", 0, SIGNATURE)
+    for p in (a, b):
+        message = p.next()
+        assert message[:4] == ["fail", "k", 0, "RESOURCE_EXHAUSTED"]
+        assert "/dev/shm" in message[4]
+    assert _names(job) == []
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    for p in (a, b):
+        p.send("release", "k", 0)
+        p.send("join", "k", 1, SIGNATURE)
+        assert p.next()[:3] == ["seg", "k", 1]
+
+
+def test_where_pages_cannot_be_reserved_segments_in_use_count_as_taken(node, monkeypatch):
+    """Without posix_fallocate (EOPNOTSUPP) the coordinator counts the bytes
+    of the segments it created as taken: keys in flight together never get
+    more than /dev/shm had free (here 200 KiB; each segment is 64 KiB)."""
+    import errno
+
+    from reducer_client.node import coordinator as coordinator_module
+
+    _, _, peer = node
+    a = peer(0)
+    peer(1)
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(coordinator_module, "shm_free_bytes", lambda: 200 << 10)
+    answers = []
+    for index in range(4):
+        a.send("join", f"k{index}", 0, SIGNATURE)
+        answers.append(a.next()[0])
+    assert answers == ["seg", "seg", "seg", "fail"]

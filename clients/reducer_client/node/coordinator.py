@@ -39,6 +39,7 @@ from reducer_client.errors import ReducerError
 from reducer_client.node.shm import (
     close_segment,
     create_segment,
+    reserve_pages,
     segment_prefix,
     shm_free_bytes,
     socket_address,
@@ -66,6 +67,7 @@ class _Segment:
     shm: SharedMemory
     capacity: int
     unlinked: bool = False
+    reserved: bool = False  # its pages are taken (posix_fallocate): no SIGBUS on write
     retired: bool = False  # a failed op used it: never reused (late writes may land)
 
 
@@ -284,21 +286,45 @@ class Coordinator:
         free = [s for s in self._segments.values()
                 if not s.retired and s.capacity >= need and id(s) not in busy]
         if free:
-            op.segment = min(free, key=lambda s: s.capacity)
-            return
-        available = shm_free_bytes()
-        if available is not None and need > available:
-            op.failed = [grpc.StatusCode.RESOURCE_EXHAUSTED.name,
-                         f"key {key!r} round {round_} needs {need / 2**20:.1f} MiB of "
-                         f"/dev/shm for node-local aggregation, {available / 2**20:.1f} "
-                         "MiB are free: enlarge /dev/shm (docker --shm-size) or set "
-                         "REDUCER_NODE_LOCAL=0"]
+            segment = min(free, key=lambda s: s.capacity)
+            if self._reserve(key, round_, op, segment.shm, need):
+                op.segment = segment
             return
         capacity = max(_MIN_SEGMENT_BYTES, 1 << (need - 1).bit_length())
+        # Pages of segments that could not be reserved are taken only when
+        # written: count them as taken, or keys in flight together overrun.
+        unreserved = sum(s.capacity for s in self._segments.values() if not s.reserved)
+        available = shm_free_bytes()
+        if available is not None and need + unreserved > available:
+            op.failed = self._no_room(key, round_, need, available - unreserved)
+            return
         name = f"{self._prefix}{self._seq}"
         self._seq += 1
-        self._segments[name] = _Segment(create_segment(name, capacity), capacity)
-        op.segment = self._segments[name]
+        shm = create_segment(name, capacity)
+        segment = _Segment(shm, capacity)
+        segment.reserved = self._reserve(key, round_, op, shm, need)
+        if op.failed is not None:
+            unlink_segment(shm)
+            close_segment(shm)
+            return
+        self._segments[name] = op.segment = segment
+
+    def _reserve(self, key: str, round_: int, op: _Op, shm: SharedMemory, need: int) -> bool:
+        """Take the pages the op writes (shm.reserve_pages); ENOSPC fails the op."""
+        try:
+            return reserve_pages(shm, need)
+        except OSError as exc:  # /dev/shm cannot hold them after all
+            op.failed = self._no_room(key, round_, need, shm_free_bytes(), exc)
+            return False
+
+    def _no_room(self, key: str, round_: int, need: int, available: int | None,
+                 exc: OSError | None = None) -> list[Any]:
+        free = "" if available is None else f", {max(0, available) / 2**20:.1f} MiB are free"
+        cause = "" if exc is None else f" ({exc.strerror})"
+        return [grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+                f"key {key!r} round {round_} needs {need / 2**20:.1f} MiB of /dev/shm for "
+                f"node-local aggregation{free}{cause}: enlarge /dev/shm (docker "
+                "--shm-size) or set REDUCER_NODE_LOCAL=0"]
 
     def _wrote(self, rank: int, op_key: tuple[str, int], op: _Op) -> None:
         op.wrote.add(rank)

@@ -19,6 +19,7 @@ when that worker exits.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -29,7 +30,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 __all__ = ["name_prefix", "segment_prefix", "socket_address", "create_segment",
-           "attach_segment", "unlink_segment", "close_segment", "sweep_segments",
+           "attach_segment", "reserve_pages", "unlink_segment", "close_segment", "sweep_segments",
            "shm_free_bytes", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
@@ -75,6 +76,32 @@ def shm_free_bytes() -> int | None:
 def create_segment(name: str, nbytes: int) -> SharedMemory:
     """Create a segment of `nbytes` (local rank 0 only; its resource tracker owns it)."""
     return SharedMemory(name=name, create=True, size=max(1, nbytes))
+
+
+# What posix_fallocate answers where the file system cannot reserve pages.
+_CANNOT_RESERVE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def reserve_pages(shm: SharedMemory, nbytes: int) -> bool:
+    """Take the tmpfs pages of the segment's first `nbytes` now; False where
+    that cannot be done (again on reuse: pages taken already cost nothing).
+
+    tmpfs allocates a page when it is first written, so a segment created with
+    room to spare can still find /dev/shm full when a worker writes into it,
+    and that worker dies of SIGBUS. Reserved at creation, the shortage shows up
+    here instead, as OSError(ENOSPC), which the caller can report.
+    """
+    fd = getattr(shm, "_fd", -1)  # CPython's SharedMemory keeps its descriptor here
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or not isinstance(fd, int) or fd < 0:
+        return False
+    try:
+        fallocate(fd, 0, min(max(1, nbytes), shm.size))
+    except OSError as exc:
+        if exc.errno in _CANNOT_RESERVE:
+            return False
+        raise
+    return True
 
 
 def attach_segment(name: str) -> SharedMemory:
