@@ -50,7 +50,9 @@ class _ProcessClient:
             if not self._atexit_set:
                 atexit.register(self.clear)
                 self._atexit_set = True
-        if previous is not None and previous is not reducer:
+        # A facade over the client it replaces (elastic's IncarnationReducer) keeps it.
+        if previous is not None and previous is not reducer \
+                and previous is not getattr(reducer, "inner", None):
             previous.close()
 
     def clear(self) -> None:

@@ -13,6 +13,9 @@ they go back to the commit after step 3, go on as 2 ranks without
 restarting, and finish with the parameters of a fault-free run that
 trained 4 steps on 3 ranks and then the rest on 2 from that commit.
 
+Scenario 4 (node-local aggregation, torchrun's default on a multi-GPU node):
+elastic.run replaces init()'s client by its own and still sums.
+
 Scenario 3 (a worker that missed rounds): as 2, but rank 2 only stalls
 (STALL_S, several round timeouts) and then goes on: the survivors have gone
 on without it, and its next call fails clearly (it is not a majority), never
@@ -61,6 +64,34 @@ def test_restarted_job_never_gets_the_earlier_incarnations_sum(daemons):
         again = run_workers(sum_worker, 2, (d.addresses, job, 5.0), timeout=60)
     assert first == [2.0, 2.0]
     assert again == [10.0, 10.0]
+
+
+def node_local_sum_worker(rank: int, world_size: int, addresses: list[str], job: str) -> float:
+    import reducer_client.torch as rt
+
+    rt.init(addresses=addresses, job=job, rank=rank, world_size=world_size,
+            wire_dtype="float32", timeout=CLIENT_TIMEOUT_S, local_rank=rank,
+            local_size=world_size)
+
+    @rt.elastic.run
+    def total(state):
+        return rt.allreduce(torch.tensor([1.0 + rank]), op=rt.Sum).item()
+    try:
+        return total(rt.elastic.ObjectState(rt.broadcast_object))
+    finally:
+        rt.shutdown()
+
+
+def test_elastic_run_under_node_local_aggregation(daemons):
+    """torchrun's default on a multi-GPU node: 2 local workers, node-local
+    aggregation on. elastic.run replaces init()'s client by its own; the
+    second client's local rank 0 could not host the node while the first
+    still held the node's socket (FAILED_PRECONDITION, and local rank 1
+    UNAVAILABLE after 10 s)."""
+    with daemons(1) as d:
+        results = run_workers(node_local_sum_worker, 2, (d.addresses, uuid.uuid4().hex),
+                              timeout=60)
+    assert results == [3.0, 3.0]
 
 
 def _model() -> torch.nn.Module:

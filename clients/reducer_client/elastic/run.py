@@ -90,17 +90,23 @@ def _build(shim: str, rank: int, world_size: int, shrunk: bool) -> Reducer:
 def _incarnation(basics: Any, joining: bool = False) -> IncarnationReducer:
     """The process-wide client as an IncarnationReducer (installed on first use).
 
-    A ReducerClient is replaced by a fresh one of the same settings inside
-    it (init closes the one it replaces); the shim's objects made without
-    reducer= look the process-wide client up at each call and follow.
+    The client init() made goes inside it as it is (a worker that joins a
+    running job gets a fresh one, without node-local aggregation); the
+    shim's objects made without reducer= look the process-wide client up at
+    each call and follow. Under node-local aggregation a second client
+    beside the first could not host the node (its socket is the first's).
     """
     from reducer_client.client import ReducerClient
 
     current = basics.client()
     if isinstance(current, IncarnationReducer):
         return current
-    inner = (_build(basics.shim, current.rank, current.world_size, shrunk=joining)
-             if isinstance(current, ReducerClient) else current)
+    inner = current  # wrapped as it is (installing the facade does not close it)
+    if isinstance(current, ReducerClient) and joining:
+        # Closed first, as reset() does: under node-local aggregation its local
+        # rank 0 holds the node's socket (a joining worker's has none).
+        current.close()
+        inner = _build(basics.shim, current.rank, current.world_size, shrunk=True)
     facade = IncarnationReducer(inner)
     basics.init(reducer=facade)
     return facade
