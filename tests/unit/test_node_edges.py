@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future
 
 import grpc
@@ -165,3 +166,59 @@ def test_a_segment_outside_the_jobs_prefix_is_never_attached(job):
         listener.close()
         foreign.close()
         foreign.unlink()
+
+
+def _until(condition, timeout_s=3.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def _results(futures, timeout_s=5.0):
+    codes = []
+    for future in futures:
+        try:
+            future.result(timeout_s)
+            codes.append("ok")
+        except ReducerError as exc:
+            codes.append(exc.code.name)
+    return codes
+
+
+def _held(job, made):
+    """What still holds shared memory: names in /dev/shm, the coordinator's, each worker's."""
+    names = [n for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix(job, 0))]
+    return names, len(made[0]._coordinator._segments), [len(g._segments) for g in made]
+
+
+def test_a_failed_operation_gives_back_its_segment_once_every_rank_let_go(job):
+    """Scenario: local ranks disagree on a key's size (fails before every
+    rank wrote: the segment is still named), then a key's daemon phase fails
+    (after: unlinked, but mapped by every worker). Once every local rank
+    released the failed operation the coordinator unlinks and unmaps its
+    segment and tells the workers to forget it; before, each failure kept
+    one for the client's whole life."""
+    made = groups(job)
+    try:
+        futures = [reduce(g, np.ones(1000 * (1 + r)), "mismatch") for r, g in enumerate(made)]
+        assert _results(futures) == ["INVALID_ARGUMENT"] * 2
+        assert _until(lambda: _held(job, made) == ([], 0, [0, 0])), _held(job, made)
+
+        def down(values, start, out, key, round_, dtype, op):
+            sent = _Sent()
+            sent.fail(ReducerError(grpc.StatusCode.UNAVAILABLE, "daemon gone"))
+            return sent
+
+        for g in made:
+            g._send_slice = down
+        futures = [reduce(g, np.ones(1 << 16), "down") for g in made]
+        assert "UNAVAILABLE" in _results(futures)
+        assert _until(lambda: _held(job, made) == ([], 0, [0, 0])), _held(job, made)
+        for g in made:
+            g._send_slice = loopback
+        futures = [reduce(g, [1.0, 2.0], "good") for g in made]  # the node still works
+        assert [f.result(5).tolist() for f in futures] == [[2.0, 4.0]] * 2
+    finally:
+        for g in reversed(made):
+            g.close()

@@ -9,7 +9,8 @@ crosses the socket, only these messages (worker -> coordinator):
     ["wrote", key, round]      input written;  all wrote -> ["go", key, round] to all
     ["done", key, round]       slice reduced;  all done  -> ["result", key, round] to all
     ["fail", key, round, code, why]            -> ["fail", key, round, code, why] to all
-    ["release", key, round]    finished with the op; all released -> segment reused
+    ["release", key, round]    finished with the op; all released -> segment reused,
+                               or, if the op failed, ["forget", name] to all: unmapped
     ["bye"]
 
 Liveness: a worker that dies closes its socket (the kernel does it, even on
@@ -42,6 +43,7 @@ from reducer_client.node.shm import (
     reserve_pages,
     segment_prefix,
     shm_free_bytes,
+    shortage,
     socket_address,
     sweep_segments,
     unlink_segment,
@@ -319,12 +321,8 @@ class Coordinator:
 
     def _no_room(self, key: str, round_: int, need: int, available: int | None,
                  exc: OSError | None = None) -> list[Any]:
-        free = "" if available is None else f", {max(0, available) / 2**20:.1f} MiB are free"
-        cause = "" if exc is None else f" ({exc.strerror})"
         return [grpc.StatusCode.RESOURCE_EXHAUSTED.name,
-                f"key {key!r} round {round_} needs {need / 2**20:.1f} MiB of /dev/shm for "
-                f"node-local aggregation{free}{cause}: enlarge /dev/shm (docker "
-                "--shm-size) or set REDUCER_NODE_LOCAL=0"]
+                f"key {key!r} round {round_} {shortage(need, available, exc)}"]
 
     def _wrote(self, rank: int, op_key: tuple[str, int], op: _Op) -> None:
         op.wrote.add(rank)
@@ -344,6 +342,21 @@ class Coordinator:
         op.released.add(rank)
         if len(op.released) == self.local_size:
             del self._ops[op_key]  # its segment is free again (unless retired)
+            if op.failed is not None and op.segment is not None and self._dead is None:
+                self._drop(op.segment)
+
+    def _drop(self, segment: _Segment) -> None:
+        """Give a failed op's segment back: nobody uses it any more (every local
+        rank released the op after its daemon phase settled), and it is never
+        reused (late writes may have landed), so unlink, unmap, and tell the
+        workers to unmap it too; kept, it would hold its pages for ever."""
+        name = segment.shm.name
+        del self._segments[name]
+        if not segment.unlinked:
+            unlink_segment(segment.shm)
+            segment.unlinked = True
+        close_segment(segment.shm)
+        self._to_ranks(set(self._ranks), ["forget", name])
 
     def _fail(self, op: _Op, code: str, why: str) -> None:
         if op.failed is not None:

@@ -219,6 +219,12 @@ class NodeGroup:
         if kind == "abort":
             self._abort(ReducerError(grpc.StatusCode.ABORTED, msg[1]), sweep=True)
             return
+        if kind == "forget":  # a failed op's segment, which nobody uses any more
+            with self._lock:
+                shm = self._segments.pop(msg[1], None)
+            if shm is not None and self._coordinator is None:  # rank 0's is the coordinator's
+                close_segment(shm)
+            return
         with self._lock:
             node_op = self._ops.get((msg[1], msg[2]))
             if node_op is not None and kind == "result":
@@ -257,6 +263,8 @@ class NodeGroup:
 
     def _reduce_slice(self, node_op: _NodeOp) -> None:
         """Sum our slice of the L rows in float32 and send it to the daemons."""
+        if node_op.settled:
+            return  # failed while queued: its release follows on this thread
         topo = self.topology
         wire_bytes = dtypes.wire_nbytes(node_op.dtype, node_op.numel)  # int8: scales too
         start, stop = node_slice(node_op.numel, max(1, wire_bytes // max(node_op.numel, 1)),
@@ -282,6 +290,8 @@ class NodeGroup:
         inner = self._send_slice(acc, start, result, node_op.key, node_op.round,
                                  node_op.dtype, node_op.op)
         node_op.inner = inner
+        if node_op.settled:  # failed meanwhile, after _fail looked for it
+            inner.fail(ReducerError(grpc.StatusCode.CANCELLED, "node operation failed"))
         inner.future.add_done_callback(lambda f: self._slice_sent(node_op, f))
 
     def _slice_sent(self, node_op: _NodeOp, future: Future) -> None:
@@ -320,10 +330,14 @@ class NodeGroup:
             node_op.inner.fail(error)
         if tell:
             self._send(["fail", node_op.key, node_op.round, error.code.name, str(error)])
-        self._send(["release", node_op.key, node_op.round])
+        # Released on the work thread, after the op's queued slice work, which
+        # then sees it failed: once all released, the segment is unmapped.
+        release = ["release", node_op.key, node_op.round]
         try:  # the callers' callbacks run on the work thread, or here once it is shut down
+            self._work.submit(self._send, release)
             self._work.submit(node_op.future.set_exception, error)
         except RuntimeError:
+            self._send(release)
             node_op.future.set_exception(error)
 
     def _late(self, node_op: _NodeOp) -> ReducerError:

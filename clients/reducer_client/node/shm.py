@@ -31,7 +31,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 __all__ = ["name_prefix", "segment_prefix", "socket_address", "create_segment",
            "attach_segment", "reserve_pages", "unlink_segment", "close_segment", "sweep_segments",
-           "shm_free_bytes", "SHM_DIR"]
+           "shm_free_bytes", "shortage", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 
@@ -71,6 +71,14 @@ def shm_free_bytes() -> int | None:
     except (OSError, AttributeError):
         return None
     return stat.f_bavail * stat.f_frsize
+
+
+def shortage(need: int, available: int | None, exc: OSError | None = None) -> str:
+    """Say that /dev/shm cannot hold `need` bytes, and what to do about it."""
+    free = "" if available is None else f", {max(0, available) / 2**20:.1f} MiB are free"
+    cause = "" if exc is None else f" ({exc.strerror})"
+    return (f"needs {need / 2**20:.1f} MiB of /dev/shm for node-local aggregation{free}"
+            f"{cause}: enlarge /dev/shm (docker --shm-size) or set REDUCER_NODE_LOCAL=0")
 
 
 def create_segment(name: str, nbytes: int) -> SharedMemory:
