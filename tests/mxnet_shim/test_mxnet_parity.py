@@ -8,29 +8,29 @@ weights' gradients share int8 blocks with gradients ~300x smaller, which
 round to zero on every step unless error feedback carries them into later
 steps. gluon's Dense keeps its weight as (units, inputs), as torch's Linear
 does, so the loud feature's weights are one element in every 16 of the
-first layer's and every int8 block of it holds some. After the same steps
-on the same per-rank batches, int8 with error feedback (the default for
-int8) reaches a final loss within MARGIN (15 %, the torch test's) of
-float32 training, with DistributedTrainer (one averaging pushpull of all
-gradients per step, packed) and with a plain gluon.Trainer on the "reducer"
-KVStore (a summing pushpull per parameter, trainer.step(world_size * batch)).
-Without feedback (DistributedTrainer(error_feedback=False)) the difference
-is printed, not checked.
+first layer's and every int8 block of it holds some.
 
-Measured (the runs are deterministic: same data, same sums): at STEPS = 400,
-int8 with feedback +6.1 % (DistributedTrainer) and +2.3 % (KVStore), without
-feedback +8.3 %. 400 steps, not the torch test's 150: here the loss after
-150 steps is still far from its floor and the int8 runs land 20-70 % above
-or below float32 depending on the initial weights' seed (seed 0: +73 % and
-+27 % with feedback, +159 % without; seeds 1 and 2: -19 % to -41 %), so
-150 steps say nothing stable about the wire. At 400 the feedback runs are
-within 12 % for seeds 0 and 1, and without feedback too (+8.3 %, -14.5 %):
-the difference feedback makes shows in the sums (test_mxnet_feedback.py)
-more than in this model's converged loss.
+One run's final loss says little here: the int8 runs landed 20-70 % above or
+below float32 depending on the initial weights' seed, and the single-seed
+version of this test (400 steps, final loss within 15 %) passed on one CPU
+model and failed on another (AMD EPYC Zen 3: +24.9 % with feedback, at the
+commit before the change). So, as the torch and TF tests do, each system
+trains SEEDS students on the same per-rank batches, the loss is the
+evaluation loss averaged over the last TAIL steps, and int8 with error
+feedback (the default for int8) must be within MARGIN (20 %) of float32 on
+the mean over the seeds, with DistributedTrainer (one averaging pushpull of
+all gradients per step, packed) and with a plain gluon.Trainer on the
+"reducer" KVStore (a summing pushpull per parameter, trainer.step(world_size
+* batch)). Without feedback (DistributedTrainer(error_feedback=False), one
+seed) the difference is printed, not checked: the difference feedback makes
+shows in the sums (test_mxnet_feedback.py) more than in this model's loss.
+Measured on Zen 3: +0.2 % (DistributedTrainer) and -0.9 % (KVStore) with
+feedback, +8.7 % without.
 """
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import numpy as np
@@ -41,10 +41,12 @@ pytest.importorskip("mxnet")
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 400
+STEPS = 300
 B = 16
 LR = 0.01
-MARGIN = 0.15  # relative to the float32 run's final loss
+TAIL = 50  # the loss: evaluated after each of the last TAIL steps, averaged
+SEEDS = (0, 1, 2)  # students; the systems compare by the mean over them
+MARGIN = 0.20  # relative to the float32 runs' mean loss (the torch and TF tests')
 # (wire, error_feedback for the store's client: None = the default, how it trains)
 SYSTEMS = (("float32", None, "trainer"), ("int8", None, "trainer"),
            ("int8", False, "trainer"), ("int8", None, "kvstore"))
@@ -75,8 +77,8 @@ def parity_worker(rank: int, world_size: int, addresses: list[str], job: str) ->
     from mxnet import autograd, gluon
     from reducer_client import ReducerClient
 
-    def student():
-        mx.random.seed(0)  # the same weights on every rank
+    def student(seed: int):
+        mx.random.seed(seed)  # the same weights on every rank
         net = gluon.nn.HybridSequential()
         net.add(gluon.nn.Dense(64, in_units=16, activation="tanh"),
                 gluon.nn.Dense(64, in_units=64, activation="tanh"),
@@ -85,12 +87,16 @@ def parity_worker(rank: int, world_size: int, addresses: list[str], job: str) ->
         return net
 
     x_eval, y_eval = data(10 ** 6, 0, 512)
-    losses, weights = {}, {}
-    for wire, feedback, how in SYSTEMS:
+    losses: dict[str, list[float]] = {}
+    weights = {}
+    for seed, (wire, feedback, how) in itertools.product(SEEDS, SYSTEMS):
+        if feedback is False and seed != SEEDS[0]:
+            continue  # printed, not checked: one seed
         name = system_name(wire, feedback, how)
-        with ReducerClient(addresses, job=f"{job}-{name.replace(' ', '-')}", rank=rank,
+        with ReducerClient(addresses, job=f"{job}-{seed}-{name.replace(' ', '-')}", rank=rank,
                            world_size=world_size, wire_dtype=wire, timeout=60.0) as client:
-            net = student()
+            net = student(seed)
+            tail = []
             if how == "trainer":
                 trainer = rmx.DistributedTrainer(
                     net.collect_params(), "adam", {"learning_rate": LR},
@@ -108,10 +114,14 @@ def parity_worker(rank: int, world_size: int, addresses: list[str], job: str) ->
                     loss = loss_fn(net(x), y)
                 loss.backward()
                 trainer.step(batch)
-            out = net(mx.nd.array(x_eval)).asnumpy()
-            losses[name] = float(np.mean((out - y_eval) ** 2))
-            weights[name] = [p.data().asnumpy() for p in net.collect_params().values()]
-    return {"losses": losses, "weights": weights}
+                if step >= STEPS - TAIL:
+                    out = net(mx.nd.array(x_eval)).asnumpy()
+                    tail.append(float(np.mean((out - y_eval) ** 2)))
+            losses.setdefault(name, []).append(float(np.mean(tail)))
+            weights[f"{name} seed {seed}"] = [p.data().asnumpy()
+                                              for p in net.collect_params().values()]
+    return {"losses": {name: float(np.mean(per_seed)) for name, per_seed in losses.items()},
+            "weights": weights}
 
 
 def test_int8_with_feedback_trains_like_float32(daemons):
@@ -127,7 +137,8 @@ def test_int8_with_feedback_trains_like_float32(daemons):
     plain = losses[system_name("int8", False, "trainer")]
     report = ", ".join(f"{name} {loss:.5f} ({(loss - base) / base:+.1%})"
                        for name, loss in losses.items())
-    print(f"final loss: {report}")
+    print(f"evaluation loss (last {TAIL} steps, mean of {len(SEEDS)} seeds; without "
+          f"feedback one seed): {report}")
     print(f"int8 without feedback: {(plain - base) / base:+.1%} against float32")
     for how in ("trainer", "kvstore"):
         fed = losses[system_name("int8", None, how)]
