@@ -222,3 +222,32 @@ def test_a_failed_operation_gives_back_its_segment_once_every_rank_let_go(job):
     finally:
         for g in reversed(made):
             g.close()
+
+
+def test_a_callback_that_reduces_again_does_not_stall_the_node(job):
+    """Scenario: a done-callback of one reduction runs another (blocking)
+    reduction, as a shim chaining steps may. Callbacks used to run on the
+    node's one work thread, which also sums the slices and copies results
+    out, so the second reduction waited for the thread its callback held:
+    it hung past every timeout. It completes now."""
+    made = groups(job)
+    second = {}
+
+    def again(rank):
+        def callback(_):
+            try:
+                second[rank] = reduce(made[rank], [1.0, 2.0], "second").result(2).tolist()
+            except Exception as exc:  # noqa: BLE001 - reported by the assert below
+                second[rank] = repr(exc)
+        return callback
+
+    try:
+        futures = [reduce(g, [1.0], "first") for g in made]
+        for rank, future in enumerate(futures):
+            future.add_done_callback(again(rank))
+        assert [f.result(5).tolist() for f in futures] == [[2.0]] * 2
+        assert _until(lambda: len(second) == 2, 4.0)
+        assert second == {0: [2.0, 4.0], 1: [2.0, 4.0]}
+    finally:
+        for g in reversed(made):
+            g.close()

@@ -50,6 +50,7 @@ from reducer_client.errors import ReducerError
 from reducer_client.node.connect import connect
 from reducer_client.node.coordinator import Coordinator, encode
 from reducer_client.node.residues import SliceResidues
+from reducer_client.node.settle import Settler
 from reducer_client.node.shm import (
     attach_segment,
     close_segment,
@@ -121,9 +122,11 @@ class NodeGroup:
             if self._coordinator is not None:
                 self._coordinator.close()
             raise
-        # Slice sums, result copies and the callers' callbacks run here, so a
-        # callback that starts another reduction never blocks the reader.
+        # Slice sums and result copies run here, off the reader; the callers'
+        # callbacks run on the settler's threads, so one that starts another
+        # reduction and waits for it blocks neither (settle.py).
         self._work = ThreadPoolExecutor(1, thread_name_prefix="reducer-node")
+        self._settler = Settler("reducer-node-settle")
         self._closing = False
         threading.Thread(target=self._read, daemon=True, name="reducer-node-reader").start()
         _groups.add(self)
@@ -187,6 +190,7 @@ class NodeGroup:
         if self._coordinator is not None:
             self._coordinator.close()
         self._work.shutdown(wait=False)
+        self._settler.close()
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
         if self._coordinator is None:
@@ -316,7 +320,7 @@ class NodeGroup:
             node_op.settled = True
             self._ops.pop((node_op.key, node_op.round), None)
         self._send(["release", node_op.key, node_op.round])
-        node_op.future.set_result(out)
+        self._settler.submit(node_op.future.set_result, out)
 
     def _fail(self, node_op: _NodeOp, error: ReducerError, tell: bool) -> None:
         """Settle with an error; tell=True also fails the op for the other local ranks."""
@@ -333,12 +337,11 @@ class NodeGroup:
         # Released on the work thread, after the op's queued slice work, which
         # then sees it failed: once all released, the segment is unmapped.
         release = ["release", node_op.key, node_op.round]
-        try:  # the callers' callbacks run on the work thread, or here once it is shut down
+        try:
             self._work.submit(self._send, release)
-            self._work.submit(node_op.future.set_exception, error)
-        except RuntimeError:
+        except RuntimeError:  # shut down (closing)
             self._send(release)
-            node_op.future.set_exception(error)
+        self._settler.submit(node_op.future.set_exception, error)
 
     def _late(self, node_op: _NodeOp) -> ReducerError:
         waiting = {"join": "the node's coordinator", "inputs": "the other local workers",
