@@ -152,6 +152,20 @@ def test_a_worker_that_dies_aborts_the_node_now_and_later(node):
     assert a.next() == abort
 
 
+def test_a_hello_to_an_aborted_coordinator_is_told_to_retry(node):
+    """An elastic reset: a local rank rebuilds before local rank 0 replaced
+    its aborted coordinator. It is told to retry (a new one comes), with the
+    reason once, not refused."""
+    _, _, peer = node
+    a, b = peer(0), peer(1)
+    b.send("bye")
+    b.close()
+    abort = a.next()
+    again = peer(1, welcome=False).next()
+    assert again == ["retry", abort[1]]
+    assert abort[1].count("node-local aggregation") == 1
+
+
 def test_a_worker_that_says_bye_is_told_apart(node):
     _, _, peer = node
     a, b = peer(0), peer(1)
@@ -222,7 +236,7 @@ def test_where_pages_cannot_be_reserved_segments_in_use_count_as_taken(node, mon
     more than /dev/shm had free (here 200 KiB; each segment is 64 KiB)."""
     import errno
 
-    from reducer_client.node import coordinator as coordinator_module
+    from reducer_client.node import pool
 
     _, _, peer = node
     a = peer(0)
@@ -232,7 +246,7 @@ def test_where_pages_cannot_be_reserved_segments_in_use_count_as_taken(node, mon
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
     monkeypatch.setattr(os, "posix_fallocate", unsupported)
-    monkeypatch.setattr(coordinator_module, "shm_free_bytes", lambda: 200 << 10)
+    monkeypatch.setattr(pool, "shm_free_bytes", lambda: 200 << 10)
     answers = []
     for index in range(4):
         a.send("join", f"k{index}", 0, SIGNATURE)

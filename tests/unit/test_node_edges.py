@@ -251,3 +251,35 @@ def test_a_callback_that_reduces_again_does_not_stall_the_node(job):
     finally:
         for g in reversed(made):
             g.close()
+
+
+def test_a_local_rank_that_rebuilds_first_waits_for_the_new_coordinator(job):
+    """Scenario: an elastic reset closes and rebuilds every local rank's
+    client. Local rank 1 rebuilds while local rank 0 still hosts the old,
+    aborted coordinator: it used to be refused at once (FAILED_PRECONDITION);
+    now it retries until local rank 0's new coordinator welcomes it."""
+    made = groups(job)
+    made[1].close()
+    rebuilt = {}
+
+    def rebuild():
+        try:
+            rebuilt[1] = group(job, 1, timeout_s=3.0)
+        except ReducerError as exc:
+            rebuilt[1] = exc
+
+    thread = threading.Thread(target=rebuild)
+    thread.start()
+    try:
+        time.sleep(0.3)  # local rank 1 meets the old coordinator meanwhile
+        made[0].close()
+        rebuilt[0] = group(job, 0, timeout_s=3.0)
+        thread.join(5)
+        assert isinstance(rebuilt[1], NodeGroup), rebuilt[1]
+        futures = [reduce(rebuilt[r], [1.0], "k") for r in range(2)]
+        assert [f.result(5).tolist() for f in futures] == [[2.0]] * 2
+    finally:
+        thread.join(5)
+        for g in (rebuilt.get(1), rebuilt.get(0)):
+            if isinstance(g, NodeGroup):
+                g.close()

@@ -54,8 +54,9 @@ def connect(job: str, topo: NodeTopology, timeout_s: float) -> tuple[socket.sock
         answer = _hello(job, topo, deadline, where)
         if answer is not None and answer[0] != "retry":
             break
-        if answer is not None:
-            why = f"local rank 0's coordinator is going away ({answer[1]})"
+        if answer is not None:  # the reason names job and node already
+            reason = str(answer[1]).removeprefix(f"{where}: ")
+            why = f"no new coordinator replaced the one going away ({reason})"
         if time.monotonic() >= deadline:
             raise ReducerError(
                 grpc.StatusCode.UNAVAILABLE,

@@ -4,7 +4,8 @@ Local rank 0 runs it on a thread; every local worker (rank 0 included) talks to
 it over a Unix stream socket, one JSON message per line. The data never
 crosses the socket, only these messages (worker -> coordinator):
 
-    ["hello", local_rank, local_size, nodes]   -> ["welcome", incarnation] or ["abort", why]
+    ["hello", local_rank, local_size, nodes]   -> ["welcome", incarnation], ["abort", why]
+                               or, if this coordinator is going away, ["retry", why]
     ["join", key, round, signature]            -> ["seg", key, round, name] or ["fail", ...]
     ["wrote", key, round]      input written;  all wrote -> ["go", key, round] to all
     ["done", key, round]       slice reduced;  all done  -> ["result", key, round] to all
@@ -37,13 +38,9 @@ from typing import Any
 import grpc
 
 from reducer_client.errors import ReducerError
+from reducer_client.node.pool import Segment, SegmentPool, unlink_all
 from reducer_client.node.shm import (
-    close_segment,
-    create_segment,
-    reserve_pages,
     segment_prefix,
-    shm_free_bytes,
-    shortage,
     socket_address,
     sweep_segments,
     unlink_segment,
@@ -52,7 +49,6 @@ from reducer_client.node.shm import (
 __all__ = ["Coordinator", "encode", "segment_nbytes"]
 
 _TICK_S = 0.2
-_MIN_SEGMENT_BYTES = 64 << 10
 
 
 def encode(message: list[Any]) -> bytes:
@@ -65,18 +61,9 @@ def segment_nbytes(numel: int, local_size: int) -> int:
 
 
 @dataclass
-class _Segment:
-    shm: SharedMemory
-    capacity: int
-    unlinked: bool = False
-    reserved: bool = False  # its pages are taken (posix_fallocate): no SIGBUS on write
-    retired: bool = False  # a failed op used it: never reused (late writes may land)
-
-
-@dataclass
 class _Op:
     signature: list[Any]
-    segment: _Segment | None
+    segment: Segment | None
     started_s: float
     joined: set[int] = field(default_factory=set)
     wrote: set[int] = field(default_factory=set)
@@ -108,12 +95,11 @@ class Coordinator:
         self._listener.listen(local_size + 4)
         # A run of this job that crashed may have left segments behind.
         sweep_segments(segment_prefix(job, node))
-        self._prefix = f"{segment_prefix(job, node)}{os.getpid()}-"
-        self._seq = 0
+        self._pool = SegmentPool(f"{segment_prefix(job, node)}{os.getpid()}-")
         # Everything below is touched by the coordinator thread only, except
         # _segments, which the owner process's worker side reads (segment()):
         # entries are added before their name is sent and removed at close.
-        self._segments: dict[str, _Segment] = {}
+        self._segments = self._pool.segments
         self._ops: dict[tuple[str, int], _Op] = {}
         self._peers: dict[socket.socket, dict[str, Any]] = {}
         self._ranks: dict[int, socket.socket] = {}
@@ -121,7 +107,7 @@ class Coordinator:
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
         # At exit without close() (the serving thread is a daemon thread).
-        self._unlink_all = weakref.finalize(self, _unlink_all, self._segments)
+        self._unlink_all = weakref.finalize(self, unlink_all, self._segments)
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"reducer-node{node}-coordinator")
         self._thread.start()
@@ -169,9 +155,8 @@ class Coordinator:
                 os.unlink(self._address)
             self._wake_r.close()
             self._wake_w.close()
-            self._unlink_all()
-            for segment in self._segments.values():
-                close_segment(segment.shm)
+            self._unlink_all.detach()
+            self._pool.close()
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         conn, _ = self._listener.accept()
@@ -245,21 +230,30 @@ class Coordinator:
 
     def _hello(self, conn: socket.socket, peer: dict[str, Any], local_rank: int,
                local_size: int, nodes: int) -> None:
+        where = f"node-local aggregation, job {self.job!r} node {self.node}"
         problem = None
         if (local_size, nodes) != (self.local_size, self.nodes):
             problem = (f"local rank {local_rank} has local_size {local_size} and {nodes} "
                        f"node(s); local rank 0 has {self.local_size} and {self.nodes}")
+        elif self._dead is not None or self._leaving(local_rank):
+            # Going away (an elastic reset, say): local rank 0 replaces it soon,
+            # so the worker retries rather than fail (connect.py).
+            self._send(conn, ["retry", self._dead or f"{where}: local rank {local_rank} "
+                                                     "is leaving"])
+            return
         elif local_rank in self._ranks:
             problem = f"local rank {local_rank} is already connected"
-        elif self._dead is not None:
-            problem = self._dead
         if problem:
-            self._send(conn, ["abort", f"node-local aggregation, job {self.job!r} node "
-                                       f"{self.node}: {problem}"])
+            self._send(conn, ["abort", f"{where}: {problem}"])
             return
         peer["rank"] = local_rank
         self._ranks[local_rank] = conn
         self._send(conn, ["welcome", self.incarnation])
+
+    def _leaving(self, local_rank: int) -> bool:
+        """Whether that rank's old connection said bye and has not yet closed."""
+        conn = self._ranks.get(local_rank)
+        return conn is not None and self._peers[conn]["bye"]
 
     def _join(self, rank: int, key: str, round_: int, signature: list[Any]) -> None:
         op = self._ops.get((key, round_))
@@ -282,47 +276,15 @@ class Coordinator:
         self._to_ranks({rank}, ["seg", key, round_, op.segment.shm.name])
 
     def _allocate(self, key: str, round_: int, op: _Op) -> None:
-        """Give the op the smallest free segment that fits, or create one."""
+        """Give the op a segment (pool.py), or fail it: /dev/shm has no room."""
         need = segment_nbytes(op.signature[0], self.local_size)
         busy = {id(o.segment) for o in self._ops.values() if o is not op}
-        free = [s for s in self._segments.values()
-                if not s.retired and s.capacity >= need and id(s) not in busy]
-        if free:
-            segment = min(free, key=lambda s: s.capacity)
-            if self._reserve(key, round_, op, segment.shm, need):
-                op.segment = segment
-            return
-        capacity = max(_MIN_SEGMENT_BYTES, 1 << (need - 1).bit_length())
-        # Pages of segments that could not be reserved are taken only when
-        # written: count them as taken, or keys in flight together overrun.
-        unreserved = sum(s.capacity for s in self._segments.values() if not s.reserved)
-        available = shm_free_bytes()
-        if available is not None and need + unreserved > available:
-            op.failed = self._no_room(key, round_, need, available - unreserved)
-            return
-        name = f"{self._prefix}{self._seq}"
-        self._seq += 1
-        shm = create_segment(name, capacity)
-        segment = _Segment(shm, capacity)
-        segment.reserved = self._reserve(key, round_, op, shm, need)
-        if op.failed is not None:
-            unlink_segment(shm)
-            close_segment(shm)
-            return
-        self._segments[name] = op.segment = segment
-
-    def _reserve(self, key: str, round_: int, op: _Op, shm: SharedMemory, need: int) -> bool:
-        """Take the pages the op writes (shm.reserve_pages); ENOSPC fails the op."""
-        try:
-            return reserve_pages(shm, need)
-        except OSError as exc:  # /dev/shm cannot hold them after all
-            op.failed = self._no_room(key, round_, need, shm_free_bytes(), exc)
-            return False
-
-    def _no_room(self, key: str, round_: int, need: int, available: int | None,
-                 exc: OSError | None = None) -> list[Any]:
-        return [grpc.StatusCode.RESOURCE_EXHAUSTED.name,
-                f"key {key!r} round {round_} {shortage(need, available, exc)}"]
+        got = self._pool.take(need, busy)
+        if isinstance(got, str):
+            op.failed = [grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+                         f"key {key!r} round {round_} {got}"]
+        else:
+            op.segment = got
 
     def _wrote(self, rank: int, op_key: tuple[str, int], op: _Op) -> None:
         op.wrote.add(rank)
@@ -345,18 +307,11 @@ class Coordinator:
             if op.failed is not None and op.segment is not None and self._dead is None:
                 self._drop(op.segment)
 
-    def _drop(self, segment: _Segment) -> None:
-        """Give a failed op's segment back: nobody uses it any more (every local
-        rank released the op after its daemon phase settled), and it is never
-        reused (late writes may have landed), so unlink, unmap, and tell the
-        workers to unmap it too; kept, it would hold its pages for ever."""
-        name = segment.shm.name
-        del self._segments[name]
-        if not segment.unlinked:
-            unlink_segment(segment.shm)
-            segment.unlinked = True
-        close_segment(segment.shm)
-        self._to_ranks(set(self._ranks), ["forget", name])
+    def _drop(self, segment: Segment) -> None:
+        """Give a failed op's segment back: every local rank released the op
+        (after its daemon phase settled) and it is never reused (late writes
+        may have landed); kept, it would hold its pages for ever."""
+        self._to_ranks(set(self._ranks), ["forget", self._pool.drop(segment)])
 
     def _fail(self, op: _Op, code: str, why: str) -> None:
         if op.failed is not None:
@@ -388,11 +343,5 @@ class Coordinator:
         self._to_ranks(set(self._ranks), ["abort", why])
         for segment in self._segments.values():
             segment.retired = True
-        _unlink_all(self._segments)
+        unlink_all(self._segments)
 
-
-def _unlink_all(segments: dict[str, _Segment]) -> None:
-    for segment in list(segments.values()):
-        if not segment.unlinked:
-            unlink_segment(segment.shm)
-            segment.unlinked = True
