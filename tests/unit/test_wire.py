@@ -331,3 +331,19 @@ def test_a_non_contiguous_out_is_refused_not_silently_left_unwritten(dtype, acce
         assert np.array_equal(out, convert.to_wire(values, dtype).view(np.uint8))
     finally:
         convert.use_accelerator(previous)
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16])
+@pytest.mark.parametrize("accelerated", [True, False], ids=["c", "numpy"])
+def test_from_wire_refuses_a_payload_of_another_length(dtype, accelerated):
+    """One wire element into an output of three was broadcast (float32, and the
+    NumPy path of the 16-bit dtypes): a wrong length must be an error."""
+    one = convert.to_wire(np.ones(1, np.float32), dtype)
+    previous = convert.use_accelerator(accelerated)
+    try:
+        out = np.zeros(3, np.float32)
+        with pytest.raises(ValueError):
+            convert.from_wire(one, dtype, out)
+        assert not out.any()
+    finally:
+        convert.use_accelerator(previous)

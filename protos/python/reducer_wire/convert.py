@@ -233,6 +233,8 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
         return
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype)) if not isinstance(
         data, np.ndarray) else data
+    if raw.size != out.size:  # NumPy would broadcast a single element over `out`
+        raise ValueError(f"from_wire: {raw.size} wire elements for an output of {out.size}")
     fast = _fast
     if (fast is not None and dtype != pb.DTYPE_FLOAT32 and raw.flags.c_contiguous
             and not (dtype == pb.DTYPE_FLOAT16 and out.dtype == np.float16)):
