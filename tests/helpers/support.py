@@ -101,3 +101,16 @@ def run_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (
             value = WorkerFailed(value)
         out.append(value)
     return out
+
+
+class KeySpy:
+    """A Reducer that forwards to `inner` and records the key of every allreduce."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.keys = inner, []
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.timeout, self.wire_dtype = inner.timeout, inner.wire_dtype
+
+    def allreduce_async(self, array: Any, key: str, op: str = "sum", **kwargs: Any) -> Any:
+        self.keys.append(key)
+        return self.inner.allreduce_async(array, key, op, **kwargs)

@@ -20,22 +20,10 @@ import reducer_client.torch as rt  # noqa: E402
 from reducer_client.testing import LocalGroup  # noqa: E402
 from reducer_client.torch import hooks  # noqa: E402
 from reducer_client.torch.hooks import hook_parameters  # noqa: E402
+from support import KeySpy  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class KeySpy:
-    """Forwards to a Reducer; records the key of every allreduce."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.keys = inner, []
-        self.rank, self.world_size = inner.rank, inner.world_size
-        self.timeout, self.wire_dtype = inner.timeout, inner.wire_dtype
-
-    def allreduce_async(self, array, key, op="sum", **kwargs):
-        self.keys.append(key)
-        return self.inner.allreduce_async(array, key, op, **kwargs)
 
 
 @pytest.fixture

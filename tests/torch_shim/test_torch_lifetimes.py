@@ -21,6 +21,7 @@ from reducer_client import collectives as coll  # noqa: E402
 from reducer_client.testing import LocalGroup  # noqa: E402
 from reducer_client.torch import _lifetime  # noqa: E402
 from reducer_client.torch._tensors import staging_for  # noqa: E402
+from support import KeySpy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,19 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 def _residual_keys(reducer) -> list[str]:
     feedback = staging_for(reducer)._feedback
     return [] if feedback is None else sorted(feedback._keys)
-
-
-class KeySpy:
-    """Forwards to a Reducer; records the key of every allreduce."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.keys = inner, []
-        self.rank, self.world_size = inner.rank, inner.world_size
-        self.timeout, self.wire_dtype = inner.timeout, inner.wire_dtype
-
-    def allreduce_async(self, array, key, op="sum", **kwargs):
-        self.keys.append(key)
-        return self.inner.allreduce_async(array, key, op, **kwargs)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -76,22 +64,24 @@ def test_replaced_optimizer_stops_reducing(overlap):
         assert sorted(k for k in reducer.keys if "bucket" in k) == ["optimizer.1/bucket.0"]
 
 
+def _one_step(model: torch.nn.Module, opt) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, model.in_features)).sum().backward()
+    opt.step()
+
+
 def test_dropped_optimizers_free_their_residuals_and_shadows():
     reducer = LocalGroup(1, wire_dtype="int8").client(0)
     kept_model = torch.nn.Linear(4, 4)
     kept = rt.DistributedOptimizer(torch.optim.SGD(kept_model.parameters(), lr=0.1),
                                    reducer=reducer)
-    kept.zero_grad()
-    kept_model(torch.ones(2, 4)).sum().backward()
-    kept.step()
+    _one_step(kept_model, kept)
     for _ in range(3):
         model = torch.nn.Linear(64, 64)
         opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       named_parameters=model.named_parameters(),
                                       reducer=reducer)
-        opt.zero_grad()
-        model(torch.ones(4, 64)).sum().backward()
-        opt.step()
+        _one_step(model, opt)
         # The kept one's and this one's: those gone went when this one was made.
         assert len(_residual_keys(reducer)) == 2
         assert len(coll._session(reducer).shadows) == 2
@@ -110,9 +100,7 @@ def test_an_optimizer_gone_in_a_thread_holding_the_feedbacks_lock_does_not_deadl
     model = torch.nn.Linear(4, 4)
     opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   reducer=reducer)
-    opt.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
+    _one_step(model, opt)
     leftovers = opt._gradients.leftovers
     feedback = staging_for(reducer)._feedback
     done = threading.Event()
