@@ -30,9 +30,7 @@ __all__ = ["forget_residuals", "move_residual", "forget_all_residuals", "weak_ho
 
 def forget_residuals(staging: Staging, keys: Iterable[str] | None = None) -> None:
     """Drop the error-feedback residuals of `keys` (None: every key) of `staging`."""
-    # Chosen once under the staging's lock (at the first reduction, or by
-    # set_error_feedback); reading the reference needs no lock.
-    feedback = staging._feedback
+    feedback = staging.feedback
     if feedback is None:
         return
     if keys is None:
@@ -47,7 +45,7 @@ def move_residual(staging: Staging, key: str, before: list[torch.Tensor],
     """Carry a bucket's residual over to its new layout: the same parameters in
     another order (DDP's rebuild) keep what each of them had; other parameters
     start afresh. A bucket's elements are its parameters' in order."""
-    feedback = staging._feedback
+    feedback = staging.feedback
     if feedback is None:
         return
     starts, offset = {}, 0
@@ -65,9 +63,7 @@ def move_residual(staging: Staging, key: str, before: list[torch.Tensor],
 def forget_all_residuals() -> None:
     """Drop every Reducer's residuals (an elastic restore: they belong to undone steps)."""
     drop_leftovers()
-    with _tensors._stagings_lock:
-        stagings = list(_tensors._stagings.values())
-    for staging in stagings:
+    for staging in _tensors.all_stagings():
         forget_residuals(staging)
 
 

@@ -125,6 +125,12 @@ class Staging:
             self._feedback = ErrorFeedback.choose(reducer, enabled)
             self._feedback_chosen = True
 
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        """The error feedback chosen (None: off, or not chosen before a first start).
+        Chosen once under the lock; reading the reference needs none."""
+        return self._feedback
+
     def _compensate(self, reducer: Reducer, key: str, values: np.ndarray, op: str) -> None:
         """Add what the wire dropped from this key's last contribution (if feedback is on)."""
         with self._lock:
@@ -270,6 +276,12 @@ def set_error_feedback(enabled: bool, reducer: Reducer | None = None) -> None:
     """
     reducer = resolve(reducer)
     staging_for(reducer).set_feedback(reducer, enabled)
+
+
+def all_stagings() -> list[Staging]:
+    """The Staging of every Reducer still alive."""
+    with _stagings_lock:
+        return list(_stagings.values())
 
 
 def staging_for(reducer: Reducer) -> Staging:
