@@ -156,14 +156,15 @@ class PooledSums:
             self.budget.give_accumulator(chunk.acc.nbytes)
 
     def _queue(self, sums: ChunkSums, task: Any, part: Contribution) -> None:
-        # The received data stays alive (and counted) until its task ran.
+        # The received data stays alive (and counted, against its job's share
+        # too) until its task ran.
         nbytes = len(part.data)
-        self.budget.take_transport(nbytes)
+        self.budget.take_transport(nbytes, sums.cid.job)
         try:
             self.pool.submit(sums.partition, task, sums, part.data, part.dtype, nbytes,
                              nbytes=nbytes)
         except BaseException:
-            self.budget.give_transport(nbytes)
+            self.budget.give_transport(nbytes, sums.cid.job)
             raise
 
     # -- the chunk's summing thread ------------------------------------------
@@ -176,7 +177,7 @@ class PooledSums:
         except Exception as exc:
             self._fault(sums, exc)
         finally:
-            self.budget.give_transport(nbytes)
+            self.budget.give_transport(nbytes, sums.cid.job)
 
     def _add(self, scratch: accumulate.WideningBuffer, sums: ChunkSums,
              data: bytes | memoryview, dtype: int, nbytes: int) -> None:
@@ -187,7 +188,7 @@ class PooledSums:
         except Exception as exc:
             self._fault(sums, exc)
         finally:
-            self.budget.give_transport(nbytes)
+            self.budget.give_transport(nbytes, sums.cid.job)
 
     def _finish(self, scratch: accumulate.WideningBuffer, sums: ChunkSums) -> None:
         try:

@@ -8,6 +8,9 @@ Bounds kept here (reducerd.dataplane has the plane-wide ones):
 - the handshake (TLS, preface, HELLO) ends within the handshake timeout of the
   accept: a deadline, checked at every receive (the socket gets a receive tick
   meanwhile), not a timeout per read that a trickle could renew;
+- a connection whose job holds its share of the MemoryBudget (unread replies,
+  reserved frames: reducerd.limits) reads no next frame until that share
+  comes free;
 - a frame's declared length is reserved from the MemoryBudget before its
   payload is read (waiting up to RESERVE_WAIT_S for room, else the connection
   ends with RESOURCE_EXHAUSTED), and given back once the loop took the shard;
@@ -25,7 +28,6 @@ Bounds kept here (reducerd.dataplane has the plane-wide ones):
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import ssl
 import struct
@@ -56,6 +58,7 @@ from reducer_wire.framing import (
 )
 from reducer_wire.tls import TlsChannel
 
+from reducerd.limits import Credit
 from reducerd.outbox import ThreadOutbox
 from reducerd.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
 
@@ -78,27 +81,6 @@ _RECEIVE_TICK_S = 0.25
 _LINGER_S = 5.0
 _SKIP_BYTES = 1 << 16
 GONE = object()  # in an outbox: the connection broke, the writer stops without a status
-
-
-class Credit:
-    """How many frames (of a connection, of the plane) may wait for the loop
-    thread: a semaphore in C (queue.SimpleQueue of tokens), as
-    threading.Semaphore's Python Condition costs several microseconds a frame."""
-
-    def __init__(self, frames: int) -> None:
-        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
-        for _ in range(frames):
-            self._tokens.put(None)
-
-    def acquire(self, timeout: float) -> bool:
-        try:
-            self._tokens.get(timeout=timeout)
-            return True
-        except queue.Empty:
-            return False
-
-    def release(self) -> None:
-        self._tokens.put(None)
 
 
 @dataclass(frozen=True)
@@ -200,6 +182,8 @@ class Connection:
             return (grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong token in the data-plane HELLO")
         self.stream.job = grant.job
+        if grant.job is not None:
+            self.stream.count_against(grant.job)
         return None
 
     def _read_shards(self) -> None:
@@ -221,19 +205,23 @@ class Connection:
                                f"unexpected frame kind {kind} after HELLO")
                     self._skip(length)
                     continue
-                if not plane.budget.reserve(length, RESERVE_WAIT_S):
+                job = self.stream.tenant  # fixed from here on: what is counted goes back
+                if not self._wait_for_job_room(job):  # the writer is gone
+                    self._skip(length)
+                    continue
+                if not plane.budget.reserve(length, RESERVE_WAIT_S, job):
                     plane.call(self.stream.end, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               self._no_room(length))
+                               self._no_room(length, job))
                     _drop_input(self.io, _LINGER_S)
                     return
                 if not self._wait_for_room():  # the writer is gone: nothing more is taken
-                    plane.budget.give_transport(length)
+                    plane.budget.give_transport(length, job)
                     self._skip(length)
                     continue
                 try:
                     payload = self._receive(length)
                 except BaseException:
-                    plane.budget.give_transport(length)
+                    plane.budget.give_transport(length, job)
                     self._give_room()
                     raise
             except FrameTimeout as exc:
@@ -247,10 +235,18 @@ class Connection:
                 plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 _drop_input(self.io)
                 return
-            plane.call(self._accept, decode_request(payload), length)
+            plane.call(self._accept, decode_request(payload), length, job)
             # Not kept while waiting for the next header: with hundreds of
             # connections, each one's last frame would add up.
             del payload
+
+    def _wait_for_job_room(self, job: str | None) -> bool:
+        """Wait while the stream's job holds its whole share of the budget (its
+        clients do not read their replies); False once the writer is gone."""
+        while not self.plane.budget.wait_job_room(job, 1.0):
+            if self.writer_done.is_set():
+                return False
+        return True
 
     def _wait_for_room(self) -> bool:
         """Wait while the loop is behind (this connection's credit, the plane's
@@ -297,8 +293,11 @@ class Connection:
                 return
             length -= len(view)
 
-    def _no_room(self, length: int) -> str:
+    def _no_room(self, length: int, job: str | None) -> str:
         budget = self.plane.budget
+        if job is not None and not budget.job_fits(job, length):
+            return (f"a frame of {length} bytes does not fit: {budget.describe_job_share(job)}, "
+                    f"and none came free within {RESERVE_WAIT_S:g} s; try again later")
         return (f"a frame of {length} bytes does not fit: the daemon holds {budget.held_bytes} "
                 f"of its {budget.limit_bytes} bytes (--max-inflight-bytes) and none came free "
                 f"within {RESERVE_WAIT_S:g} s; try again later")
@@ -317,7 +316,8 @@ class Connection:
 
     # -- on the loop thread --------------------------------------------------
 
-    def _accept(self, shard: ShardView | DecodeError | DecodeFault, length: int) -> None:
+    def _accept(self, shard: ShardView | DecodeError | DecodeFault, length: int,
+                job: str | None) -> None:
         try:
             self.plane.session.accept(shard, self.stream)  # it answers its own faults
         except Exception as exc:  # still a bug must end this stream, not hang its client
@@ -326,7 +326,7 @@ class Connection:
         finally:
             self._give_room()
             # The table copied what it keeps: the frame's buffer is free.
-            self.plane.budget.give_transport(length)
+            self.plane.budget.give_transport(length, job)
 
     # -- the writer thread ---------------------------------------------------
 

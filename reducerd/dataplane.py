@@ -42,8 +42,8 @@ import grpc
 from reducer_wire.framing import shutdown_quietly
 
 from reducerd.access import Access
-from reducerd.dataconn import BACKLOG_FRAMES, Connection, ConnectionLimits, Credit
-from reducerd.limits import MemoryBudget
+from reducerd.dataconn import BACKLOG_FRAMES, Connection, ConnectionLimits
+from reducerd.limits import Credit, MemoryBudget
 from reducerd.session import Session
 
 __all__ = ["DataPlane", "MAX_HANDSHAKING", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT_S"]

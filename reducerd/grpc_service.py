@@ -4,12 +4,12 @@ Thin on purpose: each Reduce call is a Stream of the Session. A reader task
 hands every received message to Session.accept; the handler writes out what
 the Session puts into the stream's outbox (reducerd.outbox: its bytes count
 against --max-inflight-bytes until gRPC took them). Back-pressure: the reader
-takes no next message while the stream has UNSENT_BYTES of replies waiting or
-the daemon is over its memory limit, so gRPC's flow control slows a client
-that does not read; a reply that gRPC cannot hand on for `send_timeout_s`
-ends the call with UNAVAILABLE. Shards are decoded by
-reducer_wire.codec, not the generated classes, so shard data is never copied
-on its way in (a view into the received message); replies come serialized.
+takes no next message while the stream has UNSENT_BYTES of replies waiting,
+its job holds its share of the memory limit or the daemon is over it, so
+gRPC's flow control slows a client that does not read; a reply that gRPC
+cannot hand on for `send_timeout_s` ends the call with UNAVAILABLE. Shards
+are decoded by reducer_wire.codec, not the generated classes, so shard data
+is never copied on its way in (a view into the received message); replies come serialized.
 All of it runs on the daemon's one event loop thread.
 """
 
@@ -35,7 +35,7 @@ log = logging.getLogger("reducerd")
 INBAND_METADATA = ("reducer-errors", "inband")
 STALLED_LISTED_AT_MOST = 100
 UNSENT_BYTES = 16 << 20
-# How often a reader paused by the daemon's memory limit looks again.
+# How often a reader paused by the memory limit (or its job's share) looks again.
 _OVER_LIMIT_POLL_S = 0.01
 
 
@@ -134,7 +134,8 @@ class ReducerServicer:
         while True:
             if isinstance(stream.outbox, AsyncOutbox):
                 await stream.outbox.room()  # replies unread: read no more for now
-            while budget.held_bytes > budget.limit_bytes and not stream.ended:
+            while ((budget.held_bytes > budget.limit_bytes
+                    or not budget.job_has_room(stream.tenant)) and not stream.ended):
                 await asyncio.sleep(_OVER_LIMIT_POLL_S)
             try:
                 shard = await messages.__anext__()

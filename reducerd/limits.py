@@ -8,15 +8,22 @@ MISSING_LISTED_AT_MOST of them are named, in messages and in GetStatus.
 MemoryBudget is the one count of the bytes the daemon holds against
 --max-inflight-bytes: float32 accumulators (the table, on the loop thread),
 and the transports' receive buffers and replies not yet sent (any thread).
+Of the transports' bytes, one job holds at most 1/JOB_TRANSPORT_SHARE of the
+limit: a job whose clients do not read their replies pauses its own streams
+(their readers wait for its share to come free), and cannot take the room
+every other job needs (a stream counts against its token's job, else the job
+of its first shard).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Collection
 
 __all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
-           "FAILURES_KEPT", "missing_ranks", "describe_missing", "MemoryBudget"]
+           "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks", "describe_missing",
+           "MemoryBudget", "Credit"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
 MISSING_LISTED_AT_MOST = 64
@@ -24,6 +31,8 @@ MISSING_LISTED_AT_MOST = 64
 WORLD_SIZES_KEPT = 16
 # The daemon's accumulators leave 1/8 of --max-inflight-bytes to its connections.
 TRANSPORT_RESERVE_SHARE = 8
+# One job's receive buffers and unsent replies hold at most 1/2 of the limit.
+JOB_TRANSPORT_SHARE = 2
 # Failed chunks remembered (a late contributor hears the failure, for a round
 # timeout), the oldest forgotten first beyond this: a tenant whose every shard
 # is refused (limits, mismatches) cannot grow the table without bound (each
@@ -64,11 +73,20 @@ class MemoryBudget:
     `transport_reserve` bytes to the transports, so that contributions to
     chunks already open can still be received when accumulators are at their
     most (else chunks would wait for frames that wait for memory).
+
+    A transport's bytes may name the job they count against (`job`; None:
+    the limit alone applies): each job's come to job_share_bytes at most,
+    where a reservation has to wait (a job holding nothing may always take
+    one frame, whatever its size), and job_has_room() says when a stream of
+    it may read on.
     """
 
-    def __init__(self, limit_bytes: int, transport_reserve_bytes: int = 0) -> None:
+    def __init__(self, limit_bytes: int, transport_reserve_bytes: int = 0,
+                 job_share_bytes: int | None = None) -> None:
         self.limit_bytes = limit_bytes
         self.transport_reserve_bytes = min(transport_reserve_bytes, limit_bytes)
+        self.job_share_bytes = (limit_bytes // JOB_TRANSPORT_SHARE if job_share_bytes is None
+                                else job_share_bytes)
         # _lock guards the two counts and _waiting; taken by the loop thread,
         # the summing threads and the data plane's threads (several times a
         # frame: held without the Condition's Python wrapper). Waiters are
@@ -78,6 +96,7 @@ class MemoryBudget:
         self._waiting = 0
         self._accumulators = 0
         self._transport = 0
+        self._jobs: dict[str, int] = {}  # transport bytes by job; none at 0 kept
 
     @property
     def accumulator_bytes(self) -> int:
@@ -112,32 +131,102 @@ class MemoryBudget:
         with self._lock:
             return self._accumulators + self._transport + nbytes <= self.limit_bytes
 
-    def reserve(self, nbytes: int, timeout_s: float) -> bool:
-        """Reserve `nbytes` of receive buffer, waiting up to `timeout_s` for
-        room; False if none came (or it can never fit)."""
+    def reserve(self, nbytes: int, timeout_s: float, job: str | None = None) -> bool:
+        """Reserve `nbytes` of receive buffer (for `job`), waiting up to
+        `timeout_s` for room; False if none came (or it can never fit)."""
         if nbytes > self.limit_bytes:
             return False
+
+        def fits() -> bool:
+            return (self._accumulators + self._transport + nbytes <= self.limit_bytes
+                    and self.job_fits(job, nbytes))
+
         with self._lock:
-            if self._accumulators + self._transport + nbytes > self.limit_bytes:
+            if not fits():
                 self._waiting += 1
                 try:
-                    if not self._cond.wait_for(
-                            lambda: self._accumulators + self._transport + nbytes
-                            <= self.limit_bytes, timeout_s):
+                    if not self._cond.wait_for(fits, timeout_s):
                         return False
                 finally:
                     self._waiting -= 1
-            self._transport += nbytes
+            self._add(nbytes, job)
             return True
 
-    def take_transport(self, nbytes: int) -> None:
+    def take_transport(self, nbytes: int, job: str | None = None) -> None:
         """Count `nbytes` a transport holds anyway (a reply queued for sending)."""
         with self._lock:
-            self._transport += nbytes
+            self._add(nbytes, job)
 
-    def give_transport(self, nbytes: int) -> None:
+    def give_transport(self, nbytes: int, job: str | None = None) -> None:
         if nbytes:
             with self._lock:
-                self._transport -= nbytes
+                self._add(-nbytes, job)
                 if self._waiting:
                     self._cond.notify_all()
+
+    def job_transport_bytes(self, job: str | None) -> int:
+        return self._jobs.get(job, 0) if job is not None else 0
+
+    def job_has_room(self, job: str | None) -> bool:
+        """Whether `job` holds less than its share: its streams may read on."""
+        return job is None or self._jobs.get(job, 0) < self.job_share_bytes
+
+    def wait_job_room(self, job: str | None, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until job_has_room(job); whether it has."""
+        with self._lock:
+            if self.job_has_room(job):
+                return True
+            self._waiting += 1
+            try:
+                return self._cond.wait_for(lambda: self.job_has_room(job), timeout_s)
+            finally:
+                self._waiting -= 1
+
+    def job_share_refusal(self, job: str, nbytes: int) -> str:
+        """Why a new stream of `job` whose first shard holds `nbytes` is refused
+        (that shard's reply would not fit the job's share), or ''."""
+        if self.job_fits(job, nbytes):
+            return ""
+        return f"{self.describe_job_share(job)}: no new stream of it until they read"
+
+    def describe_job_share(self, job: str) -> str:
+        return (f"job {job!r} holds {self.job_transport_bytes(job)} bytes of this daemon's "
+                f"memory in frames and replies its clients have not read, its share of at "
+                f"most {self.job_share_bytes} (1/{JOB_TRANSPORT_SHARE} of "
+                f"--max-inflight-bytes)")
+
+    def job_fits(self, job: str | None, nbytes: int) -> bool:
+        """Whether `nbytes` more for `job` stay within its share."""
+        held = self._jobs.get(job, 0) if job is not None else 0
+        return held == 0 or held + nbytes <= self.job_share_bytes
+
+    def _add(self, nbytes: int, job: str | None) -> None:
+        """Count `nbytes` (negative: give back) of transport, and of `job`'s (lock held)."""
+        self._transport += nbytes
+        if job is not None:
+            held = self._jobs.get(job, 0) + nbytes
+            if held > 0:
+                self._jobs[job] = held
+            else:
+                self._jobs.pop(job, None)
+
+
+class Credit:
+    """How many frames (of a connection, of the plane) may wait for the loop
+    thread: a semaphore in C (queue.SimpleQueue of tokens), as
+    threading.Semaphore's Python Condition costs several microseconds a frame."""
+
+    def __init__(self, frames: int) -> None:
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(frames):
+            self._tokens.put(None)
+
+    def acquire(self, timeout: float) -> bool:
+        try:
+            self._tokens.get(timeout=timeout)
+            return True
+        except queue.Empty:
+            return False
+
+    def release(self) -> None:
+        self._tokens.put(None)

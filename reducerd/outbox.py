@@ -8,7 +8,10 @@ beyond a bound it stops reading, so a client that does not read its replies
 is slowed down by its own transport's flow control instead of buffered.
 
 A reply is counted once per stream even where streams share its buffer: an
-upper bound, and the one that a stream which never reads keeps alive.
+upper bound, and the one that a stream which never reads keeps alive. The
+bytes count against the outbox's `job` too (its stream's, set before its
+first reply): the job's share of the budget (reducerd.limits), which every
+stream of that job waits for before it reads on.
 
 Priority (Shard.priority of the stream's contribution): a reply put with a
 positive one is taken before those of a lower one, in put order among equals;
@@ -56,25 +59,28 @@ class _Counted:
         self._budget = budget
         self.unsent_bytes = 0
         self._closed = False
+        # The job whose share its bytes count against (Stream.count_against);
+        # fixed once set, as bytes counted for it are given back to it.
+        self.job: str | None = None
 
     def _count(self, item: Any) -> None:
         nbytes = reply_nbytes(item)
         if nbytes and not self._closed:
             self.unsent_bytes += nbytes
             if self._budget is not None:
-                self._budget.take_transport(nbytes)
+                self._budget.take_transport(nbytes, self.job)
 
     def _uncount(self, item: Any) -> None:
         nbytes = min(reply_nbytes(item), self.unsent_bytes)
         if nbytes:
             self.unsent_bytes -= nbytes
             if self._budget is not None:
-                self._budget.give_transport(nbytes)
+                self._budget.give_transport(nbytes, self.job)
 
     def _uncount_all(self) -> None:
         self._closed = True
         if self._budget is not None:
-            self._budget.give_transport(self.unsent_bytes)
+            self._budget.give_transport(self.unsent_bytes, self.job)
         self.unsent_bytes = 0
 
 

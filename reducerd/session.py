@@ -66,6 +66,14 @@ class Stream:
         self.peer = peer
         # The one job its token allows (a job token), or None for every job.
         self.job = job
+        # The job whose share of the memory budget its transport bytes count
+        # against (reducerd.limits): its token's, else its first shard's.
+        self.tenant: str | None = None
+        # Its first shard was taken: a stream of a job already at its share is
+        # refused (RESOURCE_EXHAUSTED, which clients retry) before it adds to it.
+        self.admitted = False
+        if job is not None:
+            self.count_against(job)
         self.inband_errors = inband_errors
         self.frames = frames
         self.outbox = asyncio.Queue() if outbox is None else outbox
@@ -80,6 +88,14 @@ class Stream:
         # complete, their results still being summed. An end waits for those (held_end).
         self.results_pending: Callable[[], bool] | None = None
         self.held_end: tuple[grpc.StatusCode, str] | None = None
+
+    def count_against(self, job: str) -> None:
+        """Count this stream's transport bytes against `job`'s share, once (its
+        token's job from the handshake, else the job of its first shard)."""
+        if self.tenant is None:
+            self.tenant = job
+            if hasattr(self.outbox, "job"):  # a plain queue (tests) counts nothing
+                self.outbox.job = job
 
     def half_close(self) -> None:
         """The client sent its last shard: end with OK once all it waits for is answered."""
@@ -228,6 +244,14 @@ class Session:
                        f"shard of job {shard.job!r} key {shard.key!r} refused: "
                        f"{Grant(stream.job).refusal(shard.job)}")
             return False
+        if not stream.admitted:  # its first shard: the stream joins its job's share
+            refusal = self.table.budget.job_share_refusal(stream.tenant or shard.job,
+                                                          len(shard.data))
+            if refusal:
+                stream.end(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                return False
+            stream.count_against(shard.job)
+            stream.admitted = True
         try:
             self._contribute(shard, stream)
         except Exception as exc:

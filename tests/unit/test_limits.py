@@ -5,7 +5,9 @@ Scenarios: missing ranks of a 2^32-1 world listed in microseconds and capped;
 expiry, GetStatus rows and the stalled count stop at the first young chunk;
 a job keeps a bounded set of world sizes; check_shard refuses a world size
 over --max-world-size; the budget leaves its reserve to the transports and
-wakes a waiting reservation; the daemon's expiry loop logs a MemoryError and
+wakes a waiting reservation; one job's transport bytes stop at its share
+while another's still fit, and its entry goes at 0; an outbox counts its
+replies against its job; the daemon's expiry loop logs a MemoryError and
 goes on.
 """
 
@@ -23,6 +25,7 @@ from reducer_wire.codec import decode_shard
 
 from reducerd.config import Config
 from reducerd.limits import MISSING_LISTED_AT_MOST, MemoryBudget, describe_missing, missing_ranks
+from reducerd.outbox import AsyncOutbox
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.session import check_shard
 
@@ -126,6 +129,44 @@ def test_a_waiting_reservation_is_woken_when_bytes_come_back():
     assert budget.reserve(500, timeout_s=5)
     assert 0.05 < time.monotonic() - start < 2
     assert budget.transport_bytes == 500
+
+
+def test_one_jobs_transport_bytes_stop_at_its_share_and_leave_the_rest():
+    budget = MemoryBudget(1000)
+    assert budget.job_share_bytes == 500  # half of the limit
+    assert budget.reserve(300, timeout_s=0, job="greedy")
+    budget.take_transport(200, job="greedy")  # an unread reply: at its share now
+    assert not budget.job_has_room("greedy")
+    assert budget.job_has_room("good") and budget.job_has_room(None)
+    assert not budget.reserve(1, timeout_s=0, job="greedy")
+    assert budget.reserve(400, timeout_s=0, job="good")  # the rest stays the others'
+    assert budget.job_transport_bytes("greedy") == 500 and budget.transport_bytes == 900
+    # A job holding nothing takes one frame of any size the limit admits.
+    budget.give_transport(400, job="good")
+    assert budget.job_transport_bytes("good") == 0
+    assert budget.reserve(500, timeout_s=0, job="good")
+    budget.give_transport(500, job="good")
+    # A paused stream is woken when its job's bytes come back; the entry goes at 0.
+    threading.Timer(0.1, budget.give_transport, args=(200, "greedy")).start()
+    start = time.monotonic()
+    assert budget.wait_job_room("greedy", timeout_s=5)
+    assert 0.05 < time.monotonic() - start < 2
+    assert budget.job_has_room("greedy")
+    budget.give_transport(300, job="greedy")
+    assert budget._jobs == {} and budget.transport_bytes == 0  # nothing kept for it
+
+
+def test_an_outbox_counts_its_replies_against_its_job():
+    budget = MemoryBudget(1 << 20)
+    outbox = AsyncOutbox(budget)
+    outbox.job = "greedy"
+    outbox.put_nowait(b"x" * 1000)
+    outbox.put_nowait(b"y" * 24)
+    assert budget.job_transport_bytes("greedy") == 1024
+    outbox.sent(b"x" * 1000)
+    assert budget.job_transport_bytes("greedy") == 24
+    outbox.discard()
+    assert budget.job_transport_bytes("greedy") == 0 and budget.transport_bytes == 0
 
 
 def test_the_expiry_loop_outlives_a_memory_error(caplog):
