@@ -72,11 +72,11 @@ class Stream:
         # Its first shard was taken: a stream of a job already at its share is
         # refused (RESOURCE_EXHAUSTED, which clients retry) before it adds to it.
         self.admitted = False
-        if job is not None:
-            self.count_against(job)
         self.inband_errors = inband_errors
         self.frames = frames
         self.outbox = asyncio.Queue() if outbox is None else outbox
+        if job is not None:
+            self.count_against(job)
         self.waiting: set[ChunkId] = set()
         # Of the chunks it waits for, those whose shard gave a priority (Shard.priority).
         self.priorities: dict[ChunkId, int] = {}

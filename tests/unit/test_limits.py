@@ -167,6 +167,15 @@ def test_an_outbox_counts_its_replies_against_its_job():
     assert budget.job_transport_bytes("greedy") == 24
     outbox.discard()
     assert budget.job_transport_bytes("greedy") == 0 and budget.transport_bytes == 0
+    # A job token's stream counts against its job from the start; another, its first shard's.
+    from reducerd.session import Stream
+
+    bound = Stream("peer", True, outbox=AsyncOutbox(budget), job="tokened")
+    assert bound.tenant == "tokened" and bound.outbox.job == "tokened"
+    free = Stream("peer", True, outbox=AsyncOutbox(budget))
+    free.count_against("first")
+    free.count_against("second")
+    assert free.tenant == "first" and free.outbox.job == "first"
 
 
 def test_the_expiry_loop_outlives_a_memory_error(caplog):
