@@ -192,13 +192,14 @@ class Daemon:
 
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
         """Start, serve until stop() (or a signal), then drain and stop."""
-        await self.start()
+        # Before start() logs "listening": a SIGTERM right after it drains, not kills.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 loop.add_signal_handler(sig, self.stop)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
+        await self.start()
         if on_ready is not None and self.port is not None:
             on_ready(self.port)
         # Only now: the port answers and health says SERVING.

@@ -243,3 +243,20 @@ def test_idle_streams_are_ended_and_clients_carry_on(tmp_path):
     finally:
         silent.close()
         d.stop()
+
+
+def test_sigterm_right_after_listening_drains_not_kills(tmp_path):
+    """The signal handlers are installed before the daemon says "listening": a
+    supervisor (or a test) that stops it at once gets a clean exit 0. Before,
+    a SIGTERM in the gap after the line killed it (-15, seen under load); the
+    prelude widens whatever gap follows start() to 0.5 s."""
+    from support import start_daemon
+
+    prelude = ("import asyncio, sys; from reducerd import server; start = server.Daemon.start\n"
+               "async def slow(self):\n    await start(self)\n    await asyncio.sleep(0.5)\n"
+               "server.Daemon.start = slow\n"
+               "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    for _ in range(3):
+        d = start_daemon(log_dir=tmp_path, entry=("-c", prelude))  # back once "listening"
+        d.process.send_signal(signal.SIGTERM)
+        assert d.process.wait(15) == 0, d.log()[-2000:]
