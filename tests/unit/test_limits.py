@@ -48,7 +48,7 @@ def part(rank, world_size, values=(1.0,)):
 def test_missing_ranks_cost_follows_the_ranks_present():
     start = time.perf_counter()
     listed, total = missing_ranks(HUGE, {0, 2, 5})
-    assert time.perf_counter() - start < 0.01
+    assert time.perf_counter() - start < 1.0  # O(world) would take minutes: no load trips this
     assert listed == [1, 3, 4, *range(6, 6 + MISSING_LISTED_AT_MOST - 3)]
     assert total == HUGE - 3
     assert missing_ranks(4, {1, 3}) == ([0, 2], 2)
@@ -68,7 +68,7 @@ def test_expiry_of_a_huge_world_is_instant_and_its_message_small():
     clock.now = 5.5
     start = time.perf_counter()
     failed = table.expire()
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 5.0  # O(world) would take hours: no load trips this
     assert len(failed) == 1000 and table.open_chunk_count == 1  # the young one waits on
     assert max(len(d.error_message) for d in failed) < 1000
     assert f"{HUGE - 1 - 64} more of {HUGE}" in failed[0].error_message

