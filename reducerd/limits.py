@@ -81,12 +81,10 @@ class MemoryBudget:
     it may read on.
     """
 
-    def __init__(self, limit_bytes: int, transport_reserve_bytes: int = 0,
-                 job_share_bytes: int | None = None) -> None:
+    def __init__(self, limit_bytes: int, transport_reserve_bytes: int = 0) -> None:
         self.limit_bytes = limit_bytes
         self.transport_reserve_bytes = min(transport_reserve_bytes, limit_bytes)
-        self.job_share_bytes = (limit_bytes // JOB_TRANSPORT_SHARE if job_share_bytes is None
-                                else job_share_bytes)
+        self.job_share_bytes = limit_bytes // JOB_TRANSPORT_SHARE
         # _lock guards the two counts and _waiting; taken by the loop thread,
         # the summing threads and the data plane's threads (several times a
         # frame: held without the Condition's Python wrapper). Waiters are
@@ -197,7 +195,7 @@ class MemoryBudget:
 
     def job_fits(self, job: str | None, nbytes: int) -> bool:
         """Whether `nbytes` more for `job` stay within its share."""
-        held = self._jobs.get(job, 0) if job is not None else 0
+        held = self.job_transport_bytes(job)
         return held == 0 or held + nbytes <= self.job_share_bytes
 
     def _add(self, nbytes: int, job: str | None) -> None:

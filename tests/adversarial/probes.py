@@ -33,6 +33,8 @@ LONG = os.environ.get("REDUCER_ADVERSARIAL", "") == "long"
 GiB, MiB = 1 << 30, 1 << 20
 # The daemon's whole address space: ~0.8 GiB at rest (libraries, thread stacks).
 AS_LIMIT_BYTES = 3 * GiB
+# RSS besides what --max-inflight-bytes admits: socket buffers, gRPC's own, the allocator's.
+RSS_SLACK = 48 * MiB
 
 _LIMITED_ENTRY = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
                   "{1}; from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
@@ -79,6 +81,21 @@ def get_status(address: str, token: str | None = None, timeout: float = 5.0,
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.ReducerStub(channel).GetStatus(
             pb.StatusRequest(**request), metadata=metadata(token), timeout=timeout)
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.1) -> bool:
+    """Poll `predicate` until it holds or `timeout_s` passed; whether it holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+def job_status(daemon: DaemonProcess, name: str) -> pb.JobStatus:
+    """GetStatus's row for job `name` (empty if the daemon does not know it)."""
+    return next((j for j in get_status(daemon.address).jobs if j.job == name), pb.JobStatus())
 
 
 def data_port(address: str, token: str | None = None) -> int:

@@ -21,16 +21,19 @@ import grpc
 import numpy as np
 import pytest
 from probes import (
+    RSS_SLACK,
     MiB,
     assert_alive,
     data_port,
     data_socket,
     get_status,
     good_job,
+    job_status,
     limited_daemon,
     read_status_frame,
     rss_bytes,
     shard,
+    wait_until,
 )
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.framing import SHARD, frame_header
@@ -38,8 +41,6 @@ from reducer_wire.framing import SHARD, frame_header
 LIMIT = 64 * MiB
 SHARE = LIMIT // 2
 FRAME = 4 * MiB
-# Besides what the limit admits: socket buffers, gRPC's own, the allocator's.
-SLACK = 48 * MiB
 CONNECTIONS = 3
 THREADS = 2
 # Over the share at most: a frame per summing thread (a chunk between its data
@@ -76,11 +77,6 @@ def _grpc_call(channel, key: str, nbytes: int = MiB):
                                  request_serializer=pb.Shard.SerializeToString)(requests())
 
 
-def _greedy(daemon) -> pb.JobStatus:
-    return next((j for j in get_status(daemon.address).jobs if j.job == "greedy"),
-                pb.JobStatus())
-
-
 def test_a_job_that_never_reads_keeps_to_its_share_of_the_limit(tmp_path):
     daemon = limited_daemon("--max-inflight-bytes", str(LIMIT), "--round-timeout", "8",
                             "--threads", str(THREADS), log_dir=tmp_path)
@@ -94,21 +90,22 @@ def test_a_job_that_never_reads_keeps_to_its_share_of_the_limit(tmp_path):
             sock.sendall(_frame(f"c{i}", 0))
         channels.append(grpc.insecure_channel(daemon.address))
         calls.append(_grpc_call(channels[0], "g0"))
-        assert _wait(lambda: _greedy(daemon).chunks_completed >= CONNECTIONS + 1, 10)
+        assert wait_until(
+            lambda: job_status(daemon, "greedy").chunks_completed >= CONNECTIONS + 1, 10)
         floods = [threading.Thread(target=_flood, args=(s, f"c{i}"))
                   for i, s in enumerate(socks)]
         for t in floods:
             t.start()
         for t in floods:
             t.join(30)
-        assert _wait(lambda: get_status(daemon.address).bytes_held >= SHARE - FRAME, 5)
+        assert wait_until(lambda: get_status(daemon.address).bytes_held >= SHARE - FRAME, 5)
         time.sleep(0.5)  # nothing more comes in: every stream of the job waits
         status = get_status(daemon.address)
         assert status.open_streams == CONNECTIONS + 1
         # At its share (was the whole limit, 60 MiB and more).
         assert SHARE - FRAME <= status.bytes_held <= SHARE + OVERSHOOT, status.bytes_held
         grown = rss_bytes(daemon) - before
-        assert grown < SHARE + OVERSHOOT + SLACK, f"RSS +{grown / MiB:.0f} MiB"
+        assert grown < SHARE + OVERSHOOT + RSS_SLACK, f"RSS +{grown / MiB:.0f} MiB"
 
         # A further stream of the job is refused before it adds anything, on both
         # planes (a first shard of 2 frames: over the share from SHARE - FRAME on).
@@ -129,7 +126,7 @@ def test_a_job_that_never_reads_keeps_to_its_share_of_the_limit(tmp_path):
         assert status.open_streams >= CONNECTIONS + 1 and status.bytes_held >= SHARE - FRAME
 
         # Nothing taken for the round timeout: they end, and all of it is given back.
-        assert _wait(lambda: get_status(daemon.address).bytes_held == 0, 20)
+        assert wait_until(lambda: get_status(daemon.address).bytes_held == 0, 20)
         assert_alive(daemon)
     finally:
         for s in socks:
@@ -140,11 +137,3 @@ def test_a_job_that_never_reads_keeps_to_its_share_of_the_limit(tmp_path):
             channel.close()
         daemon.stop()
 
-
-def _wait(predicate, timeout_s: float, step_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()

@@ -20,32 +20,25 @@ import grpc
 import numpy as np
 from probes import (
     LONG,
+    RSS_SLACK,
     MiB,
     assert_alive,
     data_port,
     data_socket,
     get_status,
     good_job,
+    job_status,
     limited_daemon,
     read_status_frame,
     rss_bytes,
     shard,
+    wait_until,
 )
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.framing import SHARD, frame_header
 
 LIMIT = 64 * MiB
-# Besides what the limit admits: socket buffers, gRPC's own, the allocator's.
-SLACK = 48 * MiB
-
-
-def _wait(predicate, timeout_s: float, step_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()
+SLACK = RSS_SLACK
 
 
 def _big_shard(job: str, key: str, nbytes: int) -> bytes:
@@ -92,7 +85,7 @@ def test_declared_frames_are_reserved_before_they_are_read(tmp_path):
         cut, refused = (grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
                         grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
         assert set(codes) == {cut, refused}, codes
-        assert _wait(lambda: get_status(daemon.address).bytes_held == 0, 10)
+        assert wait_until(lambda: get_status(daemon.address).bytes_held == 0, 10)
         good_job([daemon.address], size=1 << 18)
         assert_alive(daemon)
     finally:
@@ -123,8 +116,8 @@ def test_a_data_plane_client_that_never_reads_is_slowed_not_buffered(tmp_path):
         grown = rss_bytes(daemon) - before
         assert grown < 64 * MiB + SLACK, f"RSS +{grown / MiB:.0f} MiB"
         # Nothing taken for the round timeout: the connection ends, all is given back.
-        assert _wait(lambda: get_status(daemon.address).open_streams == 0, 15)
-        assert _wait(lambda: get_status(daemon.address).bytes_held == 0, 5)
+        assert wait_until(lambda: get_status(daemon.address).open_streams == 0, 15)
+        assert wait_until(lambda: get_status(daemon.address).bytes_held == 0, 5)
         sock.close()
         good_job([daemon.address])
         assert_alive(daemon)
@@ -157,7 +150,7 @@ def test_a_grpc_client_that_never_reads_is_slowed_not_buffered(tmp_path):
         grown = rss_bytes(daemon) - before
         assert grown < 32 * MiB + SLACK, f"RSS +{grown / MiB:.0f} MiB"
         # A reply nobody takes for the round timeout ends the call, and frees it all.
-        assert _wait(lambda: get_status(daemon.address).open_streams == 0, 10)
+        assert wait_until(lambda: get_status(daemon.address).open_streams == 0, 10)
         assert get_status(daemon.address).bytes_held == 0
         assert "no reply taken for 3 s" in daemon.log()
         call.cancel()
@@ -188,24 +181,20 @@ def test_connections_waiting_for_their_next_frame_keep_none_of_the_last(tmp_path
             message = shard("idle", rank, connections + 1,
                             np.full(nbytes // 4, rank, np.float32)).SerializeToString()
             sock.sendall(frame_header(SHARD, len(message)) + message)
-            assert _wait(lambda rank=rank: _job(daemon, "idle").bytes_in >= (rank + 1) * nbytes,
-                         10, 0.02), rank
+            assert wait_until(
+                lambda rank=rank: job_status(daemon, "idle").bytes_in >= (rank + 1) * nbytes,
+                10, 0.02), rank
             if rank == connections - 1:  # every connection but the last has sent
                 grown = rss_bytes(daemon) - before
                 assert get_status(daemon.address).bytes_held == nbytes  # the accumulator
                 assert grown < 24 * MiB, f"RSS +{grown / MiB:.0f} MiB for {rank + 1} connections"
-        assert _wait(lambda: _job(daemon, "idle").chunks_completed == 1, 10, 0.02)
+        assert wait_until(lambda: job_status(daemon, "idle").chunks_completed == 1, 10, 0.02)
         good_job([daemon.address])
         assert_alive(daemon)
     finally:
         for s in socks:
             s.close()
         daemon.stop()
-
-
-def _job(daemon, name: str) -> pb.JobStatus:
-    jobs = [j for j in get_status(daemon.address).jobs if j.job == name]
-    return jobs[0] if jobs else pb.JobStatus()
 
 
 def test_steady_reductions_leave_nothing_for_the_cyclic_gc(tmp_path):
@@ -249,7 +238,7 @@ def test_steady_reductions_leave_nothing_for_the_cyclic_gc(tmp_path):
         rounds(40)
         grown = rss_bytes(daemon) - before
         assert grown < 16 * MiB, f"RSS +{grown / MiB:.0f} MiB over 40 rounds, GC off"
-        assert _job(daemon, "gc").chunks_completed == 45 * chunks
+        assert job_status(daemon, "gc").chunks_completed == 45 * chunks
         assert_alive(daemon)
     finally:
         daemon.stop()
