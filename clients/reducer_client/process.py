@@ -18,14 +18,16 @@ goes into its error messages. Nothing else in the package holds a client.
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from reducer_client.api import Reducer
 from reducer_client.horovod import bind_basics
 
-__all__ = ["BASICS_NAMES", "Basics", "ShimBasics", "shim_basics"]
+__all__ = ["BASICS_NAMES", "Basics", "ShimBasics", "next_index", "shim_basics"]
 
 
 class _ProcessClient:
@@ -183,3 +185,18 @@ def shim_basics(basics: Basics) -> ShimBasics:
         local_rank=basics.local_rank, local_size=basics.local_size,
         cross_rank=horovod["cross_rank"], cross_size=horovod["cross_size"],
         is_homogeneous=horovod["is_homogeneous"])
+
+
+# Default names of objects (torch's DistributedOptimizer "optimizer.N", TF's
+# "optimizer", "optimizer.1", ...) count per Reducer and kind, in the order
+# the program makes or first uses them, which is the same on every rank that
+# runs the same program. _counters_lock guards _counters (any caller's thread).
+_counters_lock = threading.Lock()
+_counters: weakref.WeakKeyDictionary[Reducer, dict[str, Iterator[int]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def next_index(reducer: Reducer, kind: str) -> int:
+    """0, 1, 2, ... on successive calls for the same reducer and kind."""
+    with _counters_lock:
+        return next(_counters.setdefault(reducer, {}).setdefault(kind, itertools.count()))

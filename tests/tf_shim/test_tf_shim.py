@@ -101,6 +101,24 @@ def test_fit_sends_one_fused_call_per_step(single, run_eagerly):
     assert single.calls == [("allreduce", "tf/optimizer/4", step_size(numel, 4))] * 8
 
 
+def test_unnamed_optimizers_of_one_client_get_their_own_keys(single):
+    # A GAN's two optimizers with as many gradients each: one shared key would
+    # share its error-feedback residues (kept per key) between the two models.
+    models = [small_model(0), keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                                keras.layers.Dense(2)])]
+    optimizers = [rtf.DistributedOptimizer(keras.optimizers.SGD(0.1)) for _ in models]
+    named = rtf.DistributedOptimizer(keras.optimizers.SGD(0.1), name="critic")
+    x = tf.constant(data()[0])
+    for _ in range(2):
+        for model, optimizer in zip([*models, models[0]], [*optimizers, named], strict=True):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+    keys = [key for _, key, _ in single.calls]
+    assert keys == ["tf/optimizer/4", "tf/optimizer.1/4", "tf/critic/4"] * 2
+
+
 # Keras 3.15's own saving code trips NumPy 2's __array__(copy=) deprecation.
 @pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 def test_wrapped_optimizer_keeps_class_config_and_saves(single, tmp_path):

@@ -70,10 +70,10 @@ class _AggregatingMixin:
         grads = list(grads)
         if not self._aggregated_average:  # Keras averaged the N steps; Horovod sums them
             grads = [g * steps for g in grads]
-        key = f"tf/{self._reducer_key or 'optimizer'}/{len(grads)}"  # type: ignore[attr-defined]
-        grads = reduce_gradients(grads, trainable_variables, key,
-                                 self._reducer_op,  # type: ignore[attr-defined]
-                                 self._reducer_override)  # type: ignore[attr-defined]
+        through = self._reducer_override  # a GradientSteps since apply()  # type: ignore[attr-defined]
+        grads = reduce_gradients(grads, trainable_variables,
+                                 self._wire_key(len(grads), through),  # type: ignore[attr-defined]
+                                 self._reducer_op, through)  # type: ignore[attr-defined]
         return super()._backend_update_step(  # type: ignore[misc]
             grads, trainable_variables, learning_rate)
 

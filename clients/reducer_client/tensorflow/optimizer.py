@@ -15,6 +15,7 @@ from typing import Any
 import keras
 
 from reducer_client.api import Reducer
+from reducer_client.process import next_index
 from reducer_client.tensorflow._basics import check_op
 from reducer_client.tensorflow._bridge import reduce_gradients
 from reducer_client.tensorflow.steps import GradientSteps
@@ -54,15 +55,28 @@ class _DistributedOptimizerMixin:
         steps.track(variables)
         return steps
 
+    def _wire_key(self, count: int, steps: GradientSteps) -> str:
+        """The key of a step of `count` gradients: "tf/NAME/COUNT".
+
+        Unnamed optimizers are "optimizer", "optimizer.1", ... on the client,
+        in the order of their first step (the same on every rank): two of
+        them must not share a key, whose error-feedback residues are kept
+        per key (a node's slice senders, node/residues.py). Not self.name:
+        Keras numbers optimizer names per process (sgd, sgd_1), and a rank
+        that made one more optimizer would then wait on another key.
+        """
+        if self._reducer_key is None:
+            index = next_index(steps.base(), "tf-optimizer")
+            self._reducer_key = "optimizer" if index == 0 else f"optimizer.{index}"
+        return f"tf/{self._reducer_key}/{count}"
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
-        # Not self.name: Keras numbers optimizer names per process (sgd, sgd_1),
-        # and a rank that made one more optimizer would then wait on another key.
-        key = f"tf/{self._reducer_key or 'optimizer'}/{len(grads)}"
+        steps = self._gradient_steps(trainable_variables)
         variables = list(getattr(self, "_trainable_variables", [])) \
             if trainable_variables is None else list(trainable_variables)
-        grads = reduce_gradients(grads, variables, key, self._reducer_op,
-                                 self._gradient_steps(trainable_variables))
+        grads = reduce_gradients(grads, variables, self._wire_key(len(grads), steps),
+                                 self._reducer_op, steps)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
 
 
@@ -81,8 +95,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, op: str = "mean"
     built from its config; get_config() and saving are unchanged, so a saved
     model loads back with the plain optimizer (or use load_model() here to get
     it wrapped again). Wrap before training: an optimizer that already has
-    state is refused. `name` sets the wire key (default "optimizer"; give
-    each optimizer its own when several train at once).
+    state is refused. `name` sets the wire key (default: "optimizer",
+    "optimizer.1", ... per client, in the order of their first steps).
     Compile the model with jit_compile=False: the reduction is a Python op.
     """
     check_op(op)

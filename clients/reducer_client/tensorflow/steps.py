@@ -97,9 +97,10 @@ class GradientSteps:
         with _lock:
             _all.add(self)
         if reducer is not None or basics.is_initialized():
-            self._for(self._base())  # register the tag now, in creation order
+            self._for(self.base())  # register the tag now, in creation order
 
-    def _base(self) -> Reducer:
+    def base(self) -> Reducer:
+        """The Reducer this step runs on: the fixed one, else the process-wide client."""
         return basics.resolve(self._fixed)
 
     def _for(self, base: Reducer) -> _PerClient:
@@ -132,11 +133,11 @@ class GradientSteps:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._base(), name)  # rank, world_size, wire_dtype, ...
+        return getattr(self.base(), name)  # rank, world_size, wire_dtype, ...
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", **_: Any) -> np.ndarray:
         """One step: its control round, feedback, the reduction (blocking)."""
-        base = self._base()
+        base = self.base()
         entry = self._for(base)
         feedback = self._feedback(base, entry)
         values = array
@@ -154,7 +155,7 @@ class GradientSteps:
             entry.steps.end_step()
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
-        return self._base().broadcast(array, key, root_rank)
+        return self.base().broadcast(array, key, root_rank)
 
     def _feedback(self, base: Reducer, entry: _PerClient) -> ErrorFeedback | None:
         with _lock:

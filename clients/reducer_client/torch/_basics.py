@@ -1,4 +1,4 @@
-"""The shim's basics (reducer_client.process.Basics) and the counters behind default names.
+"""The shim's basics (reducer_client.process: Basics, next_index for default names).
 
 Every other function of the shim takes the Reducer to use as an explicit
 `reducer=` argument and falls back to the process-wide client of init() only
@@ -8,13 +8,7 @@ can pass their own.
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
-from collections.abc import Iterator
-
-from reducer_client.api import Reducer
-from reducer_client.process import Basics
+from reducer_client.process import Basics, next_index
 
 __all__ = ["basics", "resolve", "next_index", "unnamed_key"]
 
@@ -31,18 +25,3 @@ def unnamed_key(kind: str) -> str:
     which never collides with this.
     """
     return f"unnamed/{kind}"
-
-
-# Default names of objects (the DistributedOptimizer's "optimizer.N") count
-# per Reducer and kind, in creation order, which is the same on every rank
-# that runs the same program. _counters_lock guards _counters (any caller's
-# thread).
-_counters_lock = threading.Lock()
-_counters: weakref.WeakKeyDictionary[Reducer, dict[str, Iterator[int]]] = (
-    weakref.WeakKeyDictionary())
-
-
-def next_index(reducer: Reducer, kind: str) -> int:
-    """0, 1, 2, ... on successive calls for the same reducer and kind."""
-    with _counters_lock:
-        return next(_counters.setdefault(reducer, {}).setdefault(kind, itertools.count()))
