@@ -83,6 +83,7 @@ class JobStats:
     chunks_completed: int = 0
     chunks_failed: int = 0
     open_chunks: int = 0
+    open_chunk_bytes: int = 0  # the open chunks' accumulators
     bytes_in: int = 0
     bytes_out: int = 0
     last_active_s: float = 0.0  # table clock

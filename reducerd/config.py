@@ -74,6 +74,8 @@ class Config:
     stalled_after_s: float = STALLED_AFTER_S
     # Open chunks one job may hold at once (beyond: RESOURCE_EXHAUSTED).
     max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB
+    # Accumulator bytes one job's open chunks may hold; 0: half of max_inflight_bytes.
+    max_inflight_bytes_per_job: int = 0
     # Largest world_size a shard may declare (beyond: INVALID_ARGUMENT); at most 2^32-1.
     max_world_size: int = DEFAULT_MAX_WORLD_SIZE
     # A stream with nothing open and no message for this long is ended (OK);
@@ -98,6 +100,11 @@ class Config:
     # ($WATCHDOG_USEC, unless $WATCHDOG_PID names another process), for Type=notify units.
     notify_socket: str | None = None
     watchdog_s: float | None = None
+
+    @property
+    def job_inflight_bytes(self) -> int:
+        """What one job's open chunks may hold: max_inflight_bytes_per_job, or half the limit."""
+        return self.max_inflight_bytes_per_job or self.max_inflight_bytes // 2
 
     @property
     def listen_address(self) -> str:
@@ -149,6 +156,9 @@ class Config:
         if self.max_open_chunks_per_job < 1:
             raise ConfigError(f"max_open_chunks_per_job: must be >= 1, got "
                               f"{self.max_open_chunks_per_job}")
+        if self.max_inflight_bytes_per_job < 0:
+            raise ConfigError(f"max_inflight_bytes_per_job: must be >= 0 (0: half of "
+                              f"max_inflight_bytes), got {self.max_inflight_bytes_per_job}")
         if not 1 <= self.max_world_size <= _WORLD_SIZE_FIELD_MAX:
             raise ConfigError(f"max_world_size: must be between 1 and {_WORLD_SIZE_FIELD_MAX}, "
                               f"got {self.max_world_size}")
@@ -268,6 +278,7 @@ _FLAGS = {
     "--metrics-max-jobs": "metrics_max_jobs",
     "--stalled-after": "stalled_after_s",
     "--max-open-chunks-per-job": "max_open_chunks_per_job",
+    "--max-inflight-bytes-per-job": "max_inflight_bytes_per_job",
     "--stream-idle-timeout": "stream_idle_timeout_s",
     "--data-listen": "data_listen",
     "--max-world-size": "max_world_size",
@@ -296,6 +307,8 @@ _HELP = {
                        f"{STALLED_AFTER_S:g})",
     "max_open_chunks_per_job": f"open chunks one job may hold at once (default "
                                f"{MAX_OPEN_CHUNKS_PER_JOB})",
+    "max_inflight_bytes_per_job": "bytes one job's open chunks may hold at most (default "
+                                  "0: half of --max-inflight-bytes)",
     "stream_idle_timeout_s": "end streams idle this many seconds with nothing open "
                              "(default 600)",
     "max_world_size": f"largest world_size a shard may declare (default "

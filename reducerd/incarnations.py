@@ -184,7 +184,7 @@ def admit(table: ReductionTable, cid: ChunkId, part: Contribution, sink: Hashabl
         del table._failed[failed_id]  # the earlier incarnation's (and those just made)
     results = [r for r in table._results if r.job == name]
     for result_id in results:
-        table._drop_result(result_id)
+        table._results.drop(result_id)
     log.info("job %r restarted (rank %d: %s; era %d): %d open chunk(s) failed, %d cached "
              "result(s) dropped", name, verdict.rank, verdict.reason, job.incarnations.era,
              len(failed), len(results))

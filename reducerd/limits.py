@@ -23,6 +23,7 @@ from collections.abc import Collection
 
 __all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
            "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks", "describe_missing",
+           "job_refusal",
            "MemoryBudget", "Credit"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
@@ -61,6 +62,21 @@ def describe_missing(world_size: int, present: Collection[int]) -> str:
     listed, total = missing_ranks(world_size, present)
     more = f" and {total - len(listed)} more" if total > len(listed) else ""
     return f"{', '.join(map(str, listed))}{more} of {world_size}"
+
+
+def job_refusal(open_chunks: int, open_bytes: int, nbytes: int, max_chunks: int,
+                max_bytes: int) -> str | None:
+    """Why a job that holds `open_chunks` open chunks of `open_bytes` accumulator
+    bytes may not open one more of `nbytes`, or None. A job that opens chunks
+    it never completes holds them until the round timeout: these per-job
+    limits leave the rest of --max-inflight-bytes to the other jobs."""
+    if open_chunks >= max_chunks:
+        return f"job has {open_chunks} open chunks, the limit (--max-open-chunks-per-job)"
+    if open_bytes + nbytes > max_bytes:
+        return (f"job holds {open_bytes} bytes in {open_chunks} open chunks; this chunk "
+                f"needs {nbytes} more, over its limit of {max_bytes} "
+                f"(--max-inflight-bytes-per-job)")
+    return None
 
 
 class MemoryBudget:

@@ -15,7 +15,6 @@ in float32 once all are in, then the result is rounded once to the wire dtype.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from itertools import takewhile
 
@@ -40,9 +39,11 @@ from reducerd.limits import (
     WORLD_SIZES_KEPT,
     MemoryBudget,
     describe_missing,
+    job_refusal,
     missing_ranks,
 )
 from reducerd.replies import Reply
+from reducerd.results import ResultCache
 from reducerd.summing import SummingPool
 
 # The records live in reducerd.chunks; these names are imported from here too.
@@ -65,36 +66,32 @@ class ReductionTable:
     after the failure get the same error instead of waiting for nothing.
 
     Costs follow what arrived, not what a shard declares: missing ranks are
-    listed lazily and capped (reducerd.limits), and _open keeps the order in
-    which chunks opened, oldest first, so expiry and GetStatus stop at the
-    first chunk that is young enough.
+    listed lazily and capped, a job's open chunks are capped in count and bytes
+    (reducerd.limits), and _open keeps the order in which chunks opened, oldest
+    first, so expiry and GetStatus stop at the first chunk young enough.
 
-    A completed chunk's result is kept until the next round of that chunk
-    completes (or one round timeout passes, or the cache needs room), so a
-    contribution resent after a broken stream gets the result again instead of
-    opening the round anew. The cache holds at most `max_inflight_bytes // 2`
-    (of reply messages: the very bytes sent the first time).
+    Completed chunks' results are kept for contributions resent after a
+    broken stream (reducerd.results), at most `max_inflight_bytes // 2` of them.
     """
 
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
                  clock: Callable[[], float] = time.monotonic,
                  max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB,
                  budget: MemoryBudget | None = None,
-                 summing: SummingPool | None = None) -> None:
+                 summing: SummingPool | None = None,
+                 max_job_inflight_bytes: int | None = None) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
         self.max_open_chunks_per_job = max_open_chunks_per_job
+        # What one job's open chunks may hold (Config.job_inflight_bytes; limits.job_refusal).
+        self.max_job_inflight_bytes = max_job_inflight_bytes or max_inflight_bytes // 2
         # Shared with the transports when the daemon builds it (their buffers count too).
         self.budget = budget or MemoryBudget(max_inflight_bytes)
         self.jobs: dict[str, JobStats] = {}
         self._clock = clock
         self._open: dict[ChunkId, OpenChunk] = {}
         self._failed: dict[ChunkId, Failure] = {}
-        self._results: OrderedDict[ChunkId, CachedResult] = OrderedDict()
-        # (job, key, offset) -> round of the cached result, to drop older rounds.
-        self._latest_round: dict[tuple[str, str, int], int] = {}
-        self.cached_bytes = 0
-        self.max_cached_bytes = max_inflight_bytes // 2
+        self._results = ResultCache(max_inflight_bytes // 2)
         self._scratch = accumulate.WideningBuffer()
         self.accepting_new_chunks = True
         # None: the loop thread sums inline. Else pooled chunks land via on_deliveries.
@@ -107,6 +104,11 @@ class ReductionTable:
     def bytes_held(self) -> int:
         """Bytes of the open chunks' accumulators."""
         return self.budget.accumulator_bytes
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the completed chunks' results kept for resent contributions."""
+        return self._results.bytes
 
     @property
     def open_chunk_count(self) -> int:
@@ -127,10 +129,9 @@ class ReductionTable:
 
     def open_chunks(self, older_than_s: float = 0.0, at_most: int | None = None,
                     job: str = "") -> list[tuple[ChunkId, int, list[int], float]]:
-        """(chunk, world_size, missing ranks, age in seconds), oldest first: the
-        chunks (of `job`, if given) open at least `older_than_s`, at most
-        `at_most` of them, each with at most MISSING_LISTED_AT_MOST missing
-        ranks named."""
+        """(chunk, world_size, missing ranks, age in seconds), oldest first: the chunks
+        (of `job`, if given) open at least `older_than_s`, at most `at_most` of
+        them, each with at most MISSING_LISTED_AT_MOST missing ranks named."""
         now = self._clock()
         rows: list[tuple[ChunkId, int, list[int], float]] = []
         for cid, c in self._open.items():
@@ -208,8 +209,7 @@ class ReductionTable:
         """Fail open chunks older than the round timeout; forget old failures."""
         now = self._clock()
         self._failed = {cid: f for cid, f in self._failed.items() if f.expires_s > now}
-        for cid in [cid for cid, r in self._results.items() if r.expires_s <= now]:
-            self._drop_result(cid)
+        self._results.expire(now)
         for name in [name for name, job in self.jobs.items()
                      if not job.open_chunks and now - job.last_active_s > JOB_FORGET_AFTER_S]:
             del self.jobs[name]  # its counters would otherwise pile up for ever
@@ -263,10 +263,11 @@ class ReductionTable:
         if not self.accepting_new_chunks:
             return [self._fail(cid, UNAVAILABLE, f"{cid.describe()}: daemon is shutting "
                                "down and opens no new chunks", (sink,), part)]
-        if job.open_chunks >= self.max_open_chunks_per_job:
-            message = (f"{cid.describe()}: job has {job.open_chunks} open chunks, the "
-                       f"limit (--max-open-chunks-per-job)")
-            return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
+        refusal = job_refusal(job.open_chunks, job.open_chunk_bytes, nbytes,
+                              self.max_open_chunks_per_job, self.max_job_inflight_bytes)
+        if refusal is not None:
+            return [self._fail(cid, RESOURCE_EXHAUSTED, f"{cid.describe()}: {refusal}",
+                               (sink,), part)]
         if not self.budget.take_accumulator(nbytes):
             message = (f"{cid.describe()}: daemon holds {self.bytes_held} bytes for open "
                        f"chunks and {self.budget.transport_bytes} for its connections; "
@@ -288,6 +289,7 @@ class ReductionTable:
                 self.budget.give_accumulator(nbytes)
             raise
         job.open_chunks += 1
+        job.open_chunk_bytes += nbytes
         self._open[cid] = chunk
         if part.world_size == 1:
             return self._complete(cid, chunk, job)
@@ -360,27 +362,9 @@ class ReductionTable:
         return deliveries
 
     def _cache_result(self, cid: ChunkId, chunk: OpenChunk, reply: Reply) -> None:
-        slot = (cid.job, cid.key, cid.offset)
-        previous = self._latest_round.get(slot)
-        if previous is not None and previous < cid.round:
-            self._drop_result(ChunkId(cid.job, cid.key, previous, cid.offset))
-        nbytes = reply.held_bytes
-        if nbytes > self.max_cached_bytes:
-            return
-        while self.cached_bytes + nbytes > self.max_cached_bytes and self._results:
-            self._drop_result(next(iter(self._results)))
-        self._results[cid] = CachedResult(chunk.dtype, chunk.op, chunk.world_size, chunk.numel,
-                                     reply, self._clock() + self.round_timeout_s)
-        self._latest_round[slot] = cid.round
-        self.cached_bytes += nbytes
-
-    def _drop_result(self, cid: ChunkId) -> None:
-        result = self._results.pop(cid, None)
-        if result is not None:
-            self.cached_bytes -= result.reply.held_bytes
-            slot = (cid.job, cid.key, cid.offset)
-            if self._latest_round.get(slot) == cid.round:
-                del self._latest_round[slot]
+        self._results.put(cid, CachedResult(chunk.dtype, chunk.op, chunk.world_size,
+                                            chunk.numel, reply,
+                                            self._clock() + self.round_timeout_s))
 
     def _release(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> None:
         if self._open.pop(cid, None) is not None:
@@ -391,6 +375,7 @@ class ReductionTable:
                 self._pooled.release(chunk)
                 chunk.sums = None  # no cycle: all goes once the last task ran, not at a GC pass
             job.open_chunks -= 1
+            job.open_chunk_bytes -= chunk.numel * 4
 
 
 def _undelivered(deliveries: list[Delivery]) -> None:

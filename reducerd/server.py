@@ -85,6 +85,7 @@ class Daemon:
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
                                     summing=self.summing,
                                     max_open_chunks_per_job=config.max_open_chunks_per_job,
+                                    max_job_inflight_bytes=config.job_inflight_bytes,
                                     budget=self.budget)
         self.session = Session(self.table, max_world_size=config.max_world_size)
         self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s,

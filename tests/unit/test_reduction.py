@@ -109,7 +109,7 @@ def test_timeout_names_the_missing_ranks_and_frees_memory():
 
 
 def test_memory_limit_refuses_new_chunks_with_resource_exhausted():
-    table = ReductionTable(60, max_inflight_bytes=1000)
+    table = ReductionTable(60, max_inflight_bytes=1000, max_job_inflight_bytes=1000)
     table.contribute(CID, part(0, [1.0] * 200), "a")  # 800 bytes of float32
     other = ChunkId("job", "k2", 0, 0)
     (refused,) = table.contribute(other, part(0, [1.0] * 100), "a")
@@ -197,3 +197,35 @@ def test_open_chunks_per_job_are_capped():
     assert refused.error_code == "RESOURCE_EXHAUSTED"
     assert "--max-open-chunks-per-job" in refused.error_message
     assert table.contribute(ChunkId("other", "k", 0, 2), part(0, [1.0]), "a") == []
+
+
+def test_one_jobs_open_chunk_bytes_are_capped_and_given_back():
+    clock = Clock()
+    table = ReductionTable(10, max_inflight_bytes=4000, clock=clock)  # 2000 per job
+    assert table.max_job_inflight_bytes == 2000
+    greedy = [ChunkId("greedy", "k", 0, offset) for offset in range(3)]
+    for cid in greedy[:2]:  # 800 bytes of float32 each, never completed
+        assert table.contribute(cid, part(0, [1.0] * 200), "g") == []
+    (refused,) = table.contribute(greedy[2], part(0, [1.0] * 200), "g")
+    assert refused.error_code == "RESOURCE_EXHAUSTED"
+    assert "--max-inflight-bytes-per-job" in refused.error_message
+    assert "1600 bytes in 2 open chunks" in refused.error_message
+    assert table.jobs["greedy"].open_chunk_bytes == 1600 and table.bytes_held == 1600
+    # The rest of the limit is the other jobs': one of 2000 bytes fits beside it.
+    good = ChunkId("good", "k", 0, 0)
+    assert table.contribute(good, part(0, [1.0] * 500), "a") == []
+    (done,) = table.contribute(good, part(1, [2.0] * 500), "b")
+    assert decode(done, 500).tolist() == [3.0] * 500
+    # A completed chunk gives its bytes back to its job ...
+    (done,) = table.contribute(greedy[0], part(1, [1.0] * 200), "g1")
+    assert done.error_code == "" and done.reply is not None
+    assert table.jobs["greedy"].open_chunk_bytes == 800
+    assert table.contribute(greedy[2], part(0, [1.0] * 200, world_size=2),
+                            "g")[0].error_code == "RESOURCE_EXHAUSTED"  # failed: remembered
+    fresh = ChunkId("greedy", "k", 1, 0)
+    assert table.contribute(fresh, part(0, [1.0] * 200), "g") == []
+    # ... and so do the chunks the round timeout fails.
+    clock.now = 11
+    assert {d.chunk for d in table.expire()} == {greedy[1], fresh}
+    assert table.jobs["greedy"].open_chunk_bytes == 0 and table.bytes_held == 0
+

@@ -24,6 +24,15 @@ def test_flags_override_toml(tmp_path):
     assert config.round_timeout_s == 3.5 and config.max_inflight_bytes == 4096
 
 
+def test_a_jobs_share_of_the_inflight_bytes():
+    assert parse().job_inflight_bytes == parse().max_inflight_bytes // 2
+    assert parse("--max-inflight-bytes", "8192").job_inflight_bytes == 4096
+    config = parse("--max-inflight-bytes", "8192", "--max-inflight-bytes-per-job", "8192")
+    assert config.job_inflight_bytes == 8192
+    with pytest.raises(ConfigError, match="max_inflight_bytes_per_job"):
+        parse("--max-inflight-bytes-per-job", "-1")
+
+
 def test_listen_defaults_to_loopback():
     """Contract section 3: `reducerd` alone runs, on loopback only."""
     assert parse().listen == "127.0.0.1:7070"

@@ -1,0 +1,68 @@
+"""The completed chunks' results, kept for contributions resent after a broken stream.
+
+A result is kept until the next round of the same chunk completes (or one
+round timeout passes, or the cache needs room: the oldest goes first), so a
+contribution resent after a broken stream gets the result again instead of
+opening the round anew. Every method runs on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from reducerd.chunks import CachedResult, ChunkId
+
+__all__ = ["ResultCache"]
+
+
+class ResultCache:
+    """At most `max_bytes` of reply messages (the very bytes sent the first time)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._results: OrderedDict[ChunkId, CachedResult] = OrderedDict()  # oldest first
+        # (job, key, offset) -> round of the cached result, to drop older rounds.
+        self._latest_round: dict[tuple[str, str, int], int] = {}
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self._results
+
+    def __iter__(self) -> Iterator[ChunkId]:
+        return iter(self._results)
+
+    def get(self, cid: ChunkId) -> CachedResult | None:
+        return self._results.get(cid)
+
+    def put(self, cid: ChunkId, result: CachedResult) -> None:
+        """Keep `result`, dropping the chunk's older round and, for room, the oldest."""
+        slot = (cid.job, cid.key, cid.offset)
+        previous = self._latest_round.get(slot)
+        if previous is not None and previous < cid.round:
+            self.drop(ChunkId(cid.job, cid.key, previous, cid.offset))
+        nbytes = result.reply.held_bytes
+        if nbytes > self.max_bytes:
+            return
+        while self.bytes + nbytes > self.max_bytes and self._results:
+            self.drop(next(iter(self._results)))
+        self._results[cid] = result
+        self._latest_round[slot] = cid.round
+        self.bytes += nbytes
+
+    def drop(self, cid: ChunkId) -> None:
+        result = self._results.pop(cid, None)
+        if result is not None:
+            self.bytes -= result.reply.held_bytes
+            slot = (cid.job, cid.key, cid.offset)
+            if self._latest_round.get(slot) == cid.round:
+                del self._latest_round[slot]
+
+    def expire(self, now: float) -> None:
+        """Drop the results kept past their expiry (table clock)."""
+        for cid in [cid for cid, r in self._results.items() if r.expires_s <= now]:
+            self.drop(cid)
+
+    def clear(self) -> None:
+        for cid in list(self._results):
+            self.drop(cid)
