@@ -52,7 +52,7 @@ class _PeakRss:
 
 
 def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
-    daemon = start_daemon("--round-timeout", "120")
+    daemon = start_daemon("--round-timeout", "120", *args.daemon_args)
     try:
         deadline = time.monotonic() + 10
         while not (match := _DATA_RE.search(daemon.log())) and time.monotonic() < deadline:
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-bytes", type=int, default=512 << 20,
                         help="daemon input per count, about (default 512 MiB)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("daemon_args", nargs="*", metavar="-- DAEMON_ARG",
+                        help="more arguments for the daemon, after --, e.g. -- --threads 1")
     args = parser.parse_args(argv)
     rows = []
     for count in (int(c) for c in args.contributors.split(",")):
