@@ -186,7 +186,8 @@ class ReducerServicer:
                 now, stats.bytes_in, stats.bytes_out)
             reply.jobs.add(job=name, chunks_completed=stats.chunks_completed,
                            chunks_failed=stats.chunks_failed,
-                           open_chunks=stats.open_chunks, bytes_in=stats.bytes_in,
+                           open_chunks=stats.open_chunks,
+                           open_chunk_bytes=stats.open_chunk_bytes, bytes_in=stats.bytes_in,
                            bytes_out=stats.bytes_out, bytes_in_per_s=rate_in,
                            bytes_out_per_s=rate_out, world_sizes=sorted(stats.world_sizes),
                            first_seen_unix_s=stats.first_seen_s)

@@ -120,6 +120,7 @@ class _Snapshot:
     latency: dict[str, tuple[list[tuple[str, float]], float]]
     completed: dict[str, int]
     open_chunks: dict[str, int]
+    open_chunk_bytes: dict[str, int]
     jobs: int
     stalled: int
     bytes_held: int
@@ -175,16 +176,19 @@ class Metrics:
     def _snapshot(self) -> _Snapshot:
         completed: defaultdict[str, int] = defaultdict(int)
         open_chunks: defaultdict[str, int] = defaultdict(int)
+        open_bytes: defaultdict[str, int] = defaultdict(int)
         for job, stats in self.table.jobs.items():
             label = self.job_label(job)
             completed[label] += stats.chunks_completed
             open_chunks[label] += stats.open_chunks
+            open_bytes[label] += stats.open_chunk_bytes
         stalled = self.table.stalled_count(self.stalled_after_s)
         return _Snapshot(
             bytes_in=dict(self._bytes_in), bytes_out=dict(self._bytes_out),
             failed=dict(self._failed),
             latency={k: (h.cumulative(), h.sum_s) for k, h in self._latency.items()},
             completed=dict(completed), open_chunks=dict(open_chunks),
+            open_chunk_bytes=dict(open_bytes),
             jobs=len(self.table.jobs), stalled=stalled,
             bytes_held=self.table.budget.held_bytes,
             max_inflight_bytes=self.table.max_inflight_bytes,
@@ -219,6 +223,10 @@ class Metrics:
         yield _labelled(GaugeMetricFamily, "reducerd_open_chunks",
                         "Chunks waiting for contributions", ["reducer_job"],
                         {(k,): v for k, v in snap.open_chunks.items()})
+        yield _labelled(GaugeMetricFamily, "reducerd_open_chunk_bytes",
+                        "Float32 accumulator bytes of the open chunks (per job at most "
+                        "--max-inflight-bytes-per-job)", ["reducer_job"],
+                        {(k,): v for k, v in snap.open_chunk_bytes.items()})
         for name, doc, value in (
             ("reducerd_stalled_chunks", "Open chunks older than stalled_after_s",
              snap.stalled),

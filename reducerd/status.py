@@ -136,7 +136,8 @@ def reply_to_dict(reply: pb.StatusReply, address: str = "") -> dict[str, Any]:
         "open_streams": reply.open_streams, "stalled_after_s": reply.stalled_after_s,
         "round_timeout_s": reply.round_timeout_s, "data_port": reply.data_port,
         "jobs": [{"job": j.job, "world_sizes": list(j.world_sizes),
-                  "open_chunks": j.open_chunks, "chunks_completed": j.chunks_completed,
+                  "open_chunks": j.open_chunks, "open_chunk_bytes": j.open_chunk_bytes,
+                  "chunks_completed": j.chunks_completed,
                   "chunks_failed": j.chunks_failed, "bytes_in": j.bytes_in,
                   "bytes_out": j.bytes_out, "bytes_in_per_s": j.bytes_in_per_s,
                   "bytes_out_per_s": j.bytes_out_per_s,
@@ -156,17 +157,18 @@ def render(reply: pb.StatusReply, address: str) -> Group:
         f"  ·  data port {reply.data_port or 'off'}")
     jobs = Table(title="Jobs", title_justify="left", expand=False)
     for name, justify in (("job", "left"), ("world", "right"), ("open chunks", "right"),
-                          ("completed", "right"), ("failed", "right"), ("in", "right"),
+                          ("held", "right"), ("completed", "right"), ("failed", "right"),
+                          ("in", "right"),
                           ("out", "right"), ("in/s", "right"), ("out/s", "right")):
         jobs.add_column(name, justify=justify)  # type: ignore[arg-type]
     for j in reply.jobs:
         jobs.add_row(j.job, ",".join(map(str, j.world_sizes)), str(j.open_chunks),
-                     str(j.chunks_completed),
+                     _bytes(j.open_chunk_bytes), str(j.chunks_completed),
                      Text(str(j.chunks_failed), style="red" if j.chunks_failed else ""),
                      _bytes(j.bytes_in), _bytes(j.bytes_out), _bytes(j.bytes_in_per_s) + "/s",
                      _bytes(j.bytes_out_per_s) + "/s")
     if not reply.jobs:
-        jobs.add_row(Text("no jobs yet", style="dim"), *[""] * 8)
+        jobs.add_row(Text("no jobs yet", style="dim"), *[""] * 9)
     stalled = Table(title=f"Stalled rounds (open longer than {reply.stalled_after_s:g} s)",
                     title_justify="left")
     for name, justify in (("job", "left"), ("key", "left"), ("round", "right"),

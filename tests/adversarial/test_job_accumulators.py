@@ -11,8 +11,6 @@ job's chunks beyond it are refused, naming the option, a good job is served
 beside it, and everything is given back at the round timeout.
 """
 
-import time
-
 import grpc
 import numpy as np
 from probes import (
@@ -42,13 +40,12 @@ def _greedy_shard(index: int) -> pb.Shard:
 
 
 def test_a_job_that_never_completes_its_chunks_keeps_to_its_share(tmp_path):
-    daemon = limited_daemon("--max-inflight-bytes", str(LIMIT), "--round-timeout", "6",
+    daemon = limited_daemon("--max-inflight-bytes", str(LIMIT), "--round-timeout", "10",
                             log_dir=tmp_path)
     stream = None
     try:
         before = rss_bytes(daemon)
         stream = RawStream(daemon.address, inband=True)
-        start = time.monotonic()
         for index in range(SENT):
             stream.send(_greedy_shard(index))
         # Each shard either opened a chunk or was refused: all are counted.
@@ -57,6 +54,7 @@ def test_a_job_that_never_completes_its_chunks_keeps_to_its_share(tmp_path):
         greedy = job_status(daemon, "greedy")
         assert greedy.open_chunks == SHARE // CHUNK, greedy  # was 14: 56 MiB
         assert greedy.chunks_failed == SENT - SHARE // CHUNK, greedy
+        assert greedy.open_chunk_bytes == SHARE, greedy  # GetStatus names who holds it
         assert get_status(daemon.address).bytes_held == SHARE
         grown = rss_bytes(daemon) - before
         assert grown < SHARE + RSS_SLACK, f"RSS +{grown / MiB:.0f} MiB"
@@ -68,11 +66,11 @@ def test_a_job_that_never_completes_its_chunks_keeps_to_its_share(tmp_path):
 
         # The rest of the limit is the other jobs': one is served exactly (1 MiB per rank).
         good_job([daemon.address], size=1 << 18, timeout=5)
-        assert time.monotonic() - start < 6, "the good job ran after the round timeout"
+        # ... while the greedy chunks were still open (not yet expired).
         assert job_status(daemon, "greedy").open_chunks == SHARE // CHUNK
 
         # At the round timeout the greedy chunks fail and give everything back.
-        assert wait_until(lambda: get_status(daemon.address).bytes_held == 0, 15)
+        assert wait_until(lambda: get_status(daemon.address).bytes_held == 0, 20)
         assert job_status(daemon, "greedy").open_chunks == 0
         assert_alive(daemon)
     finally:

@@ -107,6 +107,7 @@ def test_scrape_a_real_daemon_during_a_reduction(tmp_path, raw_streams):
         rank0.send(shard("held", 0, 2, numel=1000))
         held = _wait_for(url, lambda s: value(s, "reducerd_stalled_chunks"))
         assert value(held, "reducerd_open_chunks", reducer_job="held") == 1
+        assert value(held, "reducerd_open_chunk_bytes", reducer_job="held") == 1000 * 4
         assert value(held, "reducerd_bytes_held") == 1000 * 4
         assert value(held, "reducerd_open_streams") == 2
 
@@ -140,6 +141,7 @@ def test_scrape_a_real_daemon_during_a_reduction(tmp_path, raw_streams):
         assert value(after, "reducerd_chunks_completed_total", reducer_job="held") == 1
         assert value(after, "reducerd_round_latency_seconds_sum", reducer_job="held") > 0.2
         assert value(after, "reducerd_open_chunks", reducer_job="held") == 0
+        assert value(after, "reducerd_open_chunk_bytes", reducer_job="held") == 0
         assert value(after, "reducerd_bytes_held") == 0
         assert value(after, "reducerd_jobs") == 2
         assert value(after, "process_resident_memory_bytes") > 0

@@ -49,6 +49,7 @@ def test_status_json(daemon, capsys):
     reply = json.loads(capsys.readouterr().out)
     jobs = {job["job"]: job for job in reply["jobs"]}
     assert jobs["stuck"]["open_chunks"] == 1 and jobs["stuck"]["world_sizes"] == [3]
+    assert jobs["stuck"]["open_chunk_bytes"] == 256 * 4 and jobs["fine"]["open_chunk_bytes"] == 0
     assert jobs["fine"]["chunks_completed"] == 1 and jobs["fine"]["bytes_in"] == 2 * 512
     assert isinstance(jobs["fine"]["bytes_in_per_s"], float)
     [stalled] = reply["stalled"]

@@ -92,7 +92,7 @@ class ChunkStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., round: _Optional[int] = ..., offset: _Optional[int] = ..., world_size: _Optional[int] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "chunks_completed", "chunks_failed", "open_chunks", "bytes_in", "bytes_out", "bytes_in_per_s", "bytes_out_per_s", "world_sizes", "first_seen_unix_s")
+    __slots__ = ("job", "chunks_completed", "chunks_failed", "open_chunks", "bytes_in", "bytes_out", "bytes_in_per_s", "bytes_out_per_s", "world_sizes", "first_seen_unix_s", "open_chunk_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class JobStatus(_message.Message):
     BYTES_OUT_PER_S_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZES_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     chunks_completed: int
     chunks_failed: int
@@ -113,7 +114,8 @@ class JobStatus(_message.Message):
     bytes_out_per_s: float
     world_sizes: _containers.RepeatedScalarFieldContainer[int]
     first_seen_unix_s: float
-    def __init__(self, job: _Optional[str] = ..., chunks_completed: _Optional[int] = ..., chunks_failed: _Optional[int] = ..., open_chunks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bytes_in_per_s: _Optional[float] = ..., bytes_out_per_s: _Optional[float] = ..., world_sizes: _Optional[_Iterable[int]] = ..., first_seen_unix_s: _Optional[float] = ...) -> None: ...
+    open_chunk_bytes: int
+    def __init__(self, job: _Optional[str] = ..., chunks_completed: _Optional[int] = ..., chunks_failed: _Optional[int] = ..., open_chunks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bytes_in_per_s: _Optional[float] = ..., bytes_out_per_s: _Optional[float] = ..., world_sizes: _Optional[_Iterable[int]] = ..., first_seen_unix_s: _Optional[float] = ..., open_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s", "data_port")
