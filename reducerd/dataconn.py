@@ -106,6 +106,7 @@ class Connection:
         self.reader_done = threading.Event()
         self.writer_done = threading.Event()
         self.registered = False  # a Stream of the session (its writer starts on need)
+        self.counted_job: str | None = None  # its token's job, counted by the plane
 
     def serve(self) -> None:
         plane, limits = self.plane, self.plane.limits

@@ -19,8 +19,9 @@ Bounds, so that no client can hold the daemon's memory or threads for ever
 - at most MAX_HANDSHAKING connections are in their handshake, apart from the
   authenticated ones: one more evicts the oldest, so trickled handshakes
   cannot lock workers out (a worker's handshake takes a round trip);
-- at most MAX_CONNECTIONS authenticated connections; beyond, a new one is
-  refused with RESOURCE_EXHAUSTED (clients fall back to gRPC for a while);
+- at most MAX_CONNECTIONS authenticated connections, and half of them per
+  job of a job token; beyond, a new one is refused with RESOURCE_EXHAUSTED
+  (clients fall back to gRPC for a while);
 - each frame's declared length is reserved from the memory budget
   (--max-inflight-bytes) before it is read, and must arrive within the frame
   timeout; a reader pauses while its replies wait unsent; a send without
@@ -43,7 +44,7 @@ from reducer_wire.framing import shutdown_quietly
 
 from reducerd.access import Access
 from reducerd.dataconn import BACKLOG_FRAMES, Connection, ConnectionLimits
-from reducerd.limits import Credit, MemoryBudget
+from reducerd.limits import Credit, MemoryBudget, StreamCount
 from reducerd.session import Session
 
 __all__ = ["DataPlane", "MAX_HANDSHAKING", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT_S"]
@@ -85,6 +86,8 @@ class DataPlane:
         self._lock = threading.Lock()
         self._handshaking: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._connections: set[Connection] = set()
+        # Of the authenticated ones: in all, and per job of a job token (limits).
+        self._counts = StreamCount(self.max_connections, "data connections")
         self._stopped = False
         # Frames read on all connections and not yet taken by the loop thread.
         self.backlog = Credit(BACKLOG_FRAMES)
@@ -183,17 +186,21 @@ class DataPlane:
             del self._handshaking[conn]
             if self._stopped or self.session.draining:
                 return grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down"
-            if len(self._connections) >= self.max_connections:
-                return (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"too many data connections ({self.max_connections})")
+            refusal = self._counts.refusal(conn.stream.job)
+            if refusal is not None:
+                return grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
             self._connections.add(conn)
+            conn.counted_job = conn.stream.job  # its job may be set later, by a shard
+            self._counts.add(conn.counted_job)
             conn.registered = True
             return None
 
     def forget(self, conn: Connection) -> None:
         with self._lock:
             self._handshaking.pop(conn, None)
-            self._connections.discard(conn)
+            if conn in self._connections:
+                self._connections.remove(conn)
+                self._counts.remove(conn.counted_job)
 
     def call(self, function: Any, *args: Any) -> None:
         """Run `function(*args)` on the loop thread, after the calls before it

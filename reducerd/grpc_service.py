@@ -1,6 +1,7 @@
 """The gRPC servicer of reducer.v1.Reducer: Reduce streams into the Session, and GetStatus.
 
-Thin on purpose: each Reduce call is a Stream of the Session. A reader task
+Thin on purpose: each Reduce call is a Stream of the Session (MAX_REDUCE_CALLS
+of them at once, half per job of a job token). A reader task
 hands every received message to Session.accept; the handler writes out what
 the Session puts into the stream's outbox (reducerd.outbox: its bytes count
 against --max-inflight-bytes until gRPC took them). Back-pressure: the reader
@@ -25,6 +26,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import __version__
 from reducerd.access import EVERY_JOB, Access, Grant
+from reducerd.limits import StreamCount
 from reducerd.outbox import AsyncOutbox
 from reducerd.session import END, Session, Stream, daemon_fault_message, decode_request
 
@@ -35,6 +37,9 @@ log = logging.getLogger("reducerd")
 INBAND_METADATA = ("reducer-errors", "inband")
 STALLED_LISTED_AT_MOST = 100
 UNSENT_BYTES = 16 << 20
+# Reduce calls open at once, and half of them per job of a job token
+# (limits.StreamCount); beyond, a new call is refused with RESOURCE_EXHAUSTED.
+MAX_REDUCE_CALLS = 4096
 # How often a reader paused by the memory limit (or its job's share) looks again.
 _OVER_LIMIT_POLL_S = 0.01
 
@@ -75,6 +80,8 @@ class ReducerServicer:
         self.access = Access(None)
         self.started_s = time.monotonic()
         self._throughput: dict[str, _Throughput] = {}
+        # Read when built, not when imported: tests start daemons with smaller caps.
+        self.calls = StreamCount(MAX_REDUCE_CALLS, "Reduce calls")
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The reducer.v1.Reducer service with our own Shard codec."""
@@ -95,6 +102,19 @@ class ReducerServicer:
         if grant is None:  # the interceptor refuses these first
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         assert grant is not None
+        refusal = self.calls.refusal(grant.job)
+        if refusal is not None:
+            log.info("stream from %s refused: %s", context.peer(), refusal)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        self.calls.add(grant.job)
+        try:
+            await self._serve(request_iterator, context, grant)
+        finally:
+            self.calls.remove(grant.job)
+
+    async def _serve(self, request_iterator, context: grpc.aio.ServicerContext,
+                     grant: Grant) -> None:
+        metadata = tuple(context.invocation_metadata() or ())
         outbox = AsyncOutbox(self.session.table.budget, UNSENT_BYTES)
         stream = Stream(context.peer(), INBAND_METADATA in metadata, outbox=outbox,
                         job=grant.job)

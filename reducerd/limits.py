@@ -23,8 +23,7 @@ from collections.abc import Collection
 
 __all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
            "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks", "describe_missing",
-           "job_refusal",
-           "MemoryBudget", "Credit"]
+           "job_refusal", "JOB_STREAM_SHARE", "StreamCount", "MemoryBudget", "Credit"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
 MISSING_LISTED_AT_MOST = 64
@@ -34,6 +33,9 @@ WORLD_SIZES_KEPT = 16
 TRANSPORT_RESERVE_SHARE = 8
 # One job's receive buffers and unsent replies hold at most 1/2 of the limit.
 JOB_TRANSPORT_SHARE = 2
+# One job's streams (its token's: the job is known when they open) take at most
+# 1/2 of a plane's cap, so one tenant cannot take every connection or call.
+JOB_STREAM_SHARE = 2
 # Failed chunks remembered (a late contributor hears the failure, for a round
 # timeout), the oldest forgotten first beyond this: a tenant whose every shard
 # is refused (limits, mismatches) cannot grow the table without bound (each
@@ -77,6 +79,43 @@ def job_refusal(open_chunks: int, open_bytes: int, nbytes: int, max_chunks: int,
                 f"needs {nbytes} more, over its limit of {max_bytes} "
                 f"(--max-inflight-bytes-per-job)")
     return None
+
+
+class StreamCount:
+    """The open streams of one plane (data connections, Reduce calls), in all and
+    per job, against `cap` in all and cap // JOB_STREAM_SHARE per job; one
+    thread at a time (the caller's lock, or the event loop)."""
+
+    def __init__(self, cap: int, what: str) -> None:
+        self.cap, self.what = cap, what
+        self.total = 0
+        self._jobs: dict[str, int] = {}
+
+    @property
+    def job_cap(self) -> int:
+        return max(1, self.cap // JOB_STREAM_SHARE)
+
+    def refusal(self, job: str | None) -> str | None:
+        """Why one more stream (of `job`, None: not known yet) may not open, or None."""
+        if self.total >= self.cap:
+            return f"too many {self.what} ({self.cap})"
+        held = self._jobs.get(job, 0) if job is not None else 0
+        if held >= self.job_cap:
+            return (f"job {job!r} holds {held} {self.what}, its share of the "
+                    f"{self.cap} this daemon takes")
+        return None
+
+    def add(self, job: str | None) -> None:
+        self.total += 1
+        if job is not None:
+            self._jobs[job] = self._jobs.get(job, 0) + 1
+
+    def remove(self, job: str | None) -> None:
+        self.total -= 1
+        if job is not None:
+            held = self._jobs.pop(job, 0) - 1
+            if held > 0:
+                self._jobs[job] = held
 
 
 class MemoryBudget:
