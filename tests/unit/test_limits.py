@@ -263,3 +263,22 @@ def test_the_newest_failures_are_kept_and_a_late_contributor_hears_them():
     assert heard.error_code == "RESOURCE_EXHAUSTED" and heard.repeat
     [refused_again] = send("k0", rank=1)  # forgotten: a new chunk, refused as new
     assert refused_again.error_code == "RESOURCE_EXHAUSTED" and not refused_again.repeat
+
+
+def test_stream_count_caps_all_streams_and_each_jobs_share():
+    from reducerd.limits import StreamCount
+
+    count = StreamCount(5, "calls")  # 2 per job token
+    assert count.job_cap == 2
+    count.add("a")
+    count.add("a")
+    assert "job 'a' holds 2 calls, its share of the 5" in count.refusal("a")
+    assert count.refusal("b") is None and count.refusal(None) is None
+    for _ in range(3):
+        count.add(None)  # the daemon token's: no job, the cap alone
+    assert count.refusal("b") == "too many calls (5)"
+    count.remove("a")
+    assert count.refusal("a") is None and count.total == 4
+    count.remove("a")
+    count.remove(None)
+    assert count.total == 2 and count._jobs == {}  # nothing kept for a job with none
