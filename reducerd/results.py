@@ -3,7 +3,10 @@
 A result is kept until the next round of the same chunk completes (or one
 round timeout passes, or the cache needs room: the oldest goes first), so a
 contribution resent after a broken stream gets the result again instead of
-opening the round anew. Every method runs on the event loop's thread.
+opening the round anew. One job's results take at most 1/JOB_CACHE_SHARE of
+the cache (beyond, its own oldest go): a job that completes chunk after
+chunk of new keys cannot push the other jobs' results out. Every method runs
+on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -13,7 +16,19 @@ from collections.abc import Iterator
 
 from reducerd.chunks import CachedResult, ChunkId
 
-__all__ = ["ResultCache"]
+__all__ = ["ResultCache", "JOB_CACHE_SHARE"]
+
+JOB_CACHE_SHARE = 2
+
+
+class _JobResults:
+    """One job's cached results, oldest first, and their bytes."""
+
+    __slots__ = ("ids", "bytes")
+
+    def __init__(self) -> None:
+        self.ids: OrderedDict[ChunkId, None] = OrderedDict()
+        self.bytes = 0
 
 
 class ResultCache:
@@ -25,6 +40,7 @@ class ResultCache:
         self._results: OrderedDict[ChunkId, CachedResult] = OrderedDict()  # oldest first
         # (job, key, offset) -> round of the cached result, to drop older rounds.
         self._latest_round: dict[tuple[str, str, int], int] = {}
+        self._jobs: dict[str, _JobResults] = {}
 
     def __contains__(self, cid: object) -> bool:
         return cid in self._results
@@ -36,24 +52,39 @@ class ResultCache:
         return self._results.get(cid)
 
     def put(self, cid: ChunkId, result: CachedResult) -> None:
-        """Keep `result`, dropping the chunk's older round and, for room, the oldest."""
+        """Keep `result`, dropping the chunk's older round and, for room, the job's
+        own oldest (over its share), then the oldest of all."""
+        self.drop(cid)  # a result put again is counted once
         slot = (cid.job, cid.key, cid.offset)
         previous = self._latest_round.get(slot)
         if previous is not None and previous < cid.round:
             self.drop(ChunkId(cid.job, cid.key, previous, cid.offset))
         nbytes = result.reply.held_bytes
-        if nbytes > self.max_bytes:
+        job_max = self.max_bytes // JOB_CACHE_SHARE
+        if nbytes > job_max:
             return
+        own = self._jobs.get(cid.job)
+        while own is not None and own.bytes + nbytes > job_max:
+            self.drop(next(iter(own.ids)))
+            own = self._jobs.get(cid.job)
         while self.bytes + nbytes > self.max_bytes and self._results:
             self.drop(next(iter(self._results)))
+        own = self._jobs.setdefault(cid.job, _JobResults())
         self._results[cid] = result
         self._latest_round[slot] = cid.round
+        own.ids[cid] = None
+        own.bytes += nbytes
         self.bytes += nbytes
 
     def drop(self, cid: ChunkId) -> None:
         result = self._results.pop(cid, None)
         if result is not None:
             self.bytes -= result.reply.held_bytes
+            own = self._jobs[cid.job]
+            del own.ids[cid]
+            own.bytes -= result.reply.held_bytes
+            if not own.ids:
+                del self._jobs[cid.job]
             slot = (cid.job, cid.key, cid.offset)
             if self._latest_round.get(slot) == cid.round:
                 del self._latest_round[slot]
