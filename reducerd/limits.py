@@ -17,13 +17,16 @@ of its first shard).
 
 from __future__ import annotations
 
+import heapq
 import queue
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 __all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
            "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks", "describe_missing",
-           "job_refusal", "JOB_STREAM_SHARE", "StreamCount", "MemoryBudget", "Credit"]
+           "job_refusal", "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
+           "StreamCount", "MemoryBudget", "Credit"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
 MISSING_LISTED_AT_MOST = 64
@@ -36,6 +39,11 @@ JOB_TRANSPORT_SHARE = 2
 # One job's streams (its token's: the job is known when they open) take at most
 # 1/2 of a plane's cap, so one tenant cannot take every connection or call.
 JOB_STREAM_SHARE = 2
+# Jobs the table keeps records of (counters, incarnations, layout: about 3 KiB
+# each). Beyond, the least recently active eighth of those with nothing open
+# is forgotten before the hour is up: a tenant naming a new job in every shard
+# cannot grow the table without bound.
+JOBS_KEPT = 16384
 # Failed chunks remembered (a late contributor hears the failure, for a round
 # timeout), the oldest forgotten first beyond this: a tenant whose every shard
 # is refused (limits, mismatches) cannot grow the table without bound (each
@@ -79,6 +87,13 @@ def job_refusal(open_chunks: int, open_bytes: int, nbytes: int, max_chunks: int,
                 f"needs {nbytes} more, over its limit of {max_bytes} "
                 f"(--max-inflight-bytes-per-job)")
     return None
+
+
+def idle_jobs_to_forget(jobs: Mapping[str, Any], at_most: int) -> list[str]:
+    """The names of at most `at_most` jobs with nothing open, least recently
+    active first (`jobs`: name -> JobStats)."""
+    idle = ((job.last_active_s, name) for name, job in jobs.items() if not job.open_chunks)
+    return [name for _, name in heapq.nsmallest(at_most, idle)]
 
 
 class StreamCount:

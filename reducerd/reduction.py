@@ -35,10 +35,12 @@ from reducerd.chunks import (
 from reducerd.config import MAX_OPEN_CHUNKS_PER_JOB
 from reducerd.limits import (
     FAILURES_KEPT,
+    JOBS_KEPT,
     MISSING_LISTED_AT_MOST,
     WORLD_SIZES_KEPT,
     MemoryBudget,
     describe_missing,
+    idle_jobs_to_forget,
     job_refusal,
     missing_ranks,
 )
@@ -158,6 +160,13 @@ class ReductionTable:
         now = self._clock()
         job = self.jobs.get(chunk.job)
         if job is None:
+            if len(self.jobs) >= JOBS_KEPT:
+                for name in idle_jobs_to_forget(self.jobs, max(1, JOBS_KEPT // 8)):
+                    del self.jobs[name]
+                if len(self.jobs) >= JOBS_KEPT:  # every one of them has chunks open
+                    return [self._error(chunk, part, (sink,), RESOURCE_EXHAUSTED,
+                                        f"{chunk.describe()}: the daemon holds open chunks of "
+                                        f"{len(self.jobs)} jobs, as many as it keeps")]
             job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
         answer = incarnations.admit(self, chunk, part, sink, job) if part.incarnation else None
         if answer is not None:  # refused, or the job restarted (reducerd.incarnations)
