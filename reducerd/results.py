@@ -16,9 +16,18 @@ from collections.abc import Iterator
 
 from reducerd.chunks import CachedResult, ChunkId
 
-__all__ = ["ResultCache", "JOB_CACHE_SHARE"]
+__all__ = ["ResultCache", "JOB_CACHE_SHARE", "ENTRY_BYTES"]
 
 JOB_CACHE_SHARE = 2
+# Beside its reply, what an entry holds: its records here and in the table
+# (the ChunkId, CachedResult, Reply, three dict entries), measured at about
+# 1.5 KiB, plus its key and job names. Counted, so that many tiny results
+# cannot hold several times the cache's bound (3.4x uncounted, 1 KiB keys).
+ENTRY_BYTES = 1536
+
+
+def _entry_bytes(cid: ChunkId, result: CachedResult) -> int:
+    return result.reply.held_bytes + len(cid.key) + len(cid.job) + ENTRY_BYTES
 
 
 class _JobResults:
@@ -32,7 +41,8 @@ class _JobResults:
 
 
 class ResultCache:
-    """At most `max_bytes` of reply messages (the very bytes sent the first time)."""
+    """At most `max_bytes` of entries: reply messages (the very bytes sent the
+    first time) and what each entry holds beside them (ENTRY_BYTES)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -59,7 +69,7 @@ class ResultCache:
         previous = self._latest_round.get(slot)
         if previous is not None and previous < cid.round:
             self.drop(ChunkId(cid.job, cid.key, previous, cid.offset))
-        nbytes = result.reply.held_bytes
+        nbytes = _entry_bytes(cid, result)
         job_max = self.max_bytes // JOB_CACHE_SHARE
         if nbytes > job_max:
             return
@@ -79,10 +89,11 @@ class ResultCache:
     def drop(self, cid: ChunkId) -> None:
         result = self._results.pop(cid, None)
         if result is not None:
-            self.bytes -= result.reply.held_bytes
+            nbytes = _entry_bytes(cid, result)
+            self.bytes -= nbytes
             own = self._jobs[cid.job]
             del own.ids[cid]
-            own.bytes -= result.reply.held_bytes
+            own.bytes -= nbytes
             if not own.ids:
                 del self._jobs[cid.job]
             slot = (cid.job, cid.key, cid.offset)
