@@ -283,3 +283,35 @@ def test_a_local_rank_that_rebuilds_first_waits_for_the_new_coordinator(job):
         for g in (rebuilt.get(1), rebuilt.get(0)):
             if isinstance(g, NodeGroup):
                 g.close()
+
+
+_CLOSE_UNDER_ROWS_SCRIPT = """
+import numpy as np
+from reducer_client.node.group import _NodeOp
+from reducer_client.node.shm import close_segment, create_segment, unlink_segment
+
+numel, local_size = 1 << 16, 2
+shm = create_segment(f"reducer-test-rows-{__import__('os').getpid()}", (local_size + 2) * numel * 4)
+unlink_segment(shm)  # the name goes now; the mapping stays while used
+op = _NodeOp("k", 0, numel, (numel,), np.dtype(np.float32), 1, 1, 0.0)
+op.segment = shm
+rows = op.rows(local_size)
+rows[:] = 1.0
+close_segment(shm)  # the client closing while a thread still reads its slice
+print(float(rows.sum()))
+"""
+
+
+def test_closing_a_segment_keeps_it_mapped_while_its_rows_are_read():
+    """Rows of np.ndarray(buffer=shm.buf) held no export of the buffer: closing
+    the segment (the client closing, or a failed op's segment forgotten) unmapped
+    it under the node group's work thread, which then died of SIGSEGV reading its
+    slice (seen in test_node_local's killed-worker case under load). In a child
+    process, since the failure is a crash."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_ROWS_SCRIPT],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert float(done.stdout) == 4 * (1 << 16)

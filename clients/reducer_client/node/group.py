@@ -91,10 +91,16 @@ class _NodeOp:
         self.settled = False
 
     def rows(self, local_size: int) -> np.ndarray:
-        """The segment as float32 rows: L inputs, then the node sums, then the result."""
-        assert self.segment is not None
-        return np.ndarray((local_size + 2, self.numel), dtype=np.float32,
-                          buffer=self.segment.buf)
+        """The segment as float32 rows: L inputs, then the node sums, then the result.
+
+        np.frombuffer, not np.ndarray(buffer=): the rows must hold the segment's
+        buffer exported, so that closing the segment (the client closed, the
+        op failed) cannot unmap it under a thread still reading them (close
+        then raises BufferError, and the mapping goes with the last view)."""
+        assert self.segment is not None and self.segment.buf is not None
+        rows = local_size + 2
+        return np.frombuffer(self.segment.buf, np.float32, rows * self.numel).reshape(
+            rows, self.numel)
 
 
 class NodeGroup:

@@ -81,9 +81,25 @@ def shortage(need: int, available: int | None, exc: OSError | None = None) -> st
             f"{cause}: enlarge /dev/shm (docker --shm-size) or set REDUCER_NODE_LOCAL=0")
 
 
+class _Segment(SharedMemory):
+    """A SharedMemory whose mapping outlives it while NumPy views use it.
+
+    The node's rows are np.frombuffer views, which keep the buffer exported,
+    so closing under them raises BufferError instead of unmapping memory a
+    thread still reads; the mapping then goes with the last view. CPython's
+    __del__ lets that BufferError out as "Exception ignored" noise.
+    """
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, BufferError):
+            pass
+
+
 def create_segment(name: str, nbytes: int) -> SharedMemory:
     """Create a segment of `nbytes` (local rank 0 only; its resource tracker owns it)."""
-    return SharedMemory(name=name, create=True, size=max(1, nbytes))
+    return _Segment(name=name, create=True, size=max(1, nbytes))
 
 
 # What posix_fallocate answers where the file system cannot reserve pages.
@@ -123,12 +139,12 @@ def attach_segment(name: str) -> SharedMemory:
     registered: the call is skipped for the moment of the attach.
     """
     if sys.version_info >= (3, 13):
-        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+        return _Segment(name=name, track=False)  # type: ignore[call-arg]
     with _untracked_lock:  # one attach at a time patches the module function
         register = resource_tracker.register
         resource_tracker.register = _register_unless_shm  # type: ignore[assignment]
         try:
-            return SharedMemory(name=name)
+            return _Segment(name=name)
         finally:
             resource_tracker.register = register  # type: ignore[assignment]
 
