@@ -85,7 +85,8 @@ def job_refusal(open_chunks: int, open_bytes: int, nbytes: int, max_chunks: int,
     if open_bytes + nbytes > max_bytes:
         return (f"job holds {open_bytes} bytes in {open_chunks} open chunks; this chunk "
                 f"needs {nbytes} more, over its limit of {max_bytes} "
-                f"(--max-inflight-bytes-per-job)")
+                f"(--max-inflight-bytes-per-job; by default half of --max-inflight-bytes, "
+                f"so that other jobs keep room)")
     return None
 
 
