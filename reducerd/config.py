@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from reducerd.limits import job_inflight_limit
+
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
            "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB",
            "DEFAULT_MAX_WORLD_SIZE", "MAX_THREADS", "available_cpus"]
@@ -104,7 +106,7 @@ class Config:
     @property
     def job_inflight_bytes(self) -> int:
         """What one job's open chunks may hold: max_inflight_bytes_per_job, or half the limit."""
-        return self.max_inflight_bytes_per_job or self.max_inflight_bytes // 2
+        return job_inflight_limit(self.max_inflight_bytes, self.max_inflight_bytes_per_job)
 
     @property
     def listen_address(self) -> str:

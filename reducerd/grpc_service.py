@@ -108,13 +108,12 @@ class ReducerServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         self.calls.add(grant.job)
         try:
-            await self._serve(request_iterator, context, grant)
+            await self._serve(request_iterator, context, grant, metadata)
         finally:
             self.calls.remove(grant.job)
 
     async def _serve(self, request_iterator, context: grpc.aio.ServicerContext,
-                     grant: Grant) -> None:
-        metadata = tuple(context.invocation_metadata() or ())
+                     grant: Grant, metadata: tuple) -> None:
         outbox = AsyncOutbox(self.session.table.budget, UNSENT_BYTES)
         stream = Stream(context.peer(), INBAND_METADATA in metadata, outbox=outbox,
                         job=grant.job)

@@ -25,7 +25,8 @@ from typing import Any
 
 __all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
            "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks", "describe_missing",
-           "job_refusal", "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
+           "job_refusal", "job_inflight_limit", "JOB_ACCUMULATOR_SHARE", "JOB_CACHE_SHARE",
+           "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
            "StreamCount", "MemoryBudget", "Credit"]
 
 # Ranks named per chunk in a failure message and in GetStatus.
@@ -36,6 +37,11 @@ WORLD_SIZES_KEPT = 16
 TRANSPORT_RESERVE_SHARE = 8
 # One job's receive buffers and unsent replies hold at most 1/2 of the limit.
 JOB_TRANSPORT_SHARE = 2
+# One job's open chunks hold at most 1/2 of --max-inflight-bytes in
+# accumulators unless --max-inflight-bytes-per-job says otherwise.
+JOB_ACCUMULATOR_SHARE = 2
+# One job's results kept for resends take at most 1/2 of the result cache.
+JOB_CACHE_SHARE = 2
 # One job's streams (its token's: the job is known when they open) take at most
 # 1/2 of a plane's cap, so one tenant cannot take every connection or call.
 JOB_STREAM_SHARE = 2
@@ -72,6 +78,13 @@ def describe_missing(world_size: int, present: Collection[int]) -> str:
     listed, total = missing_ranks(world_size, present)
     more = f" and {total - len(listed)} more" if total > len(listed) else ""
     return f"{', '.join(map(str, listed))}{more} of {world_size}"
+
+
+def job_inflight_limit(max_inflight_bytes: int, per_job: int = 0) -> int:
+    """The accumulator bytes one job's open chunks may hold: `per_job`
+    (--max-inflight-bytes-per-job), or by default 1/JOB_ACCUMULATOR_SHARE
+    of `max_inflight_bytes`."""
+    return per_job or max_inflight_bytes // JOB_ACCUMULATOR_SHARE
 
 
 def job_refusal(open_chunks: int, open_bytes: int, nbytes: int, max_chunks: int,

@@ -41,6 +41,7 @@ from reducerd.limits import (
     MemoryBudget,
     describe_missing,
     idle_jobs_to_forget,
+    job_inflight_limit,
     job_refusal,
     missing_ranks,
 )
@@ -86,7 +87,8 @@ class ReductionTable:
         self.max_inflight_bytes = max_inflight_bytes
         self.max_open_chunks_per_job = max_open_chunks_per_job
         # What one job's open chunks may hold (Config.job_inflight_bytes; limits.job_refusal).
-        self.max_job_inflight_bytes = max_job_inflight_bytes or max_inflight_bytes // 2
+        self.max_job_inflight_bytes = job_inflight_limit(max_inflight_bytes,
+                                                         max_job_inflight_bytes or 0)
         # Shared with the transports when the daemon builds it (their buffers count too).
         self.budget = budget or MemoryBudget(max_inflight_bytes)
         self.jobs: dict[str, JobStats] = {}

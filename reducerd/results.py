@@ -15,10 +15,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from reducerd.chunks import CachedResult, ChunkId
+from reducerd.limits import JOB_CACHE_SHARE
 
 __all__ = ["ResultCache", "JOB_CACHE_SHARE", "ENTRY_BYTES"]
 
-JOB_CACHE_SHARE = 2
 # Beside its reply, what an entry holds: its records here and in the table
 # (the ChunkId, CachedResult, Reply, three dict entries), measured at about
 # 1.5 KiB, plus its key and job names. Counted, so that many tiny results

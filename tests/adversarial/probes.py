@@ -48,6 +48,15 @@ def limited_daemon(*args: str, log_dir: Path, as_limit_bytes: int = AS_LIMIT_BYT
                         entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes), prelude)))
 
 
+def token_daemon(token: str, *args: str, log_dir: Path, prelude: str = "pass",
+                 ) -> DaemonProcess:
+    """limited_daemon with --auth-token-file holding `token` (written under log_dir)."""
+    token_file = log_dir / "token"
+    token_file.write_text(token + "\n")
+    return limited_daemon("--auth-token-file", str(token_file), *args, log_dir=log_dir,
+                          prelude=prelude)
+
+
 def proc_status(pid: int, field: str) -> int:
     """A number from /proc/PID/status: VmRSS in bytes, Threads as a count."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -16,6 +16,7 @@ import numpy as np
 from probes import (
     RSS_SLACK,
     MiB,
+    RawStream,
     assert_alive,
     get_status,
     good_job,
@@ -25,7 +26,6 @@ from probes import (
     shard,
     wait_until,
 )
-from raw_stream import RawStream
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 LIMIT = 64 * MiB

@@ -23,9 +23,9 @@ from probes import (
     data_socket,
     get_status,
     good_job,
-    limited_daemon,
     read_status_frame,
     shard,
+    token_daemon,
 )
 from reducer_wire.framing import HELLO, MAGIC, SHARD, frame_header
 
@@ -36,10 +36,7 @@ DAEMON_TOKEN = "daemon-secret-for-the-adversarial-suite"
 
 @pytest.fixture
 def daemon(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text(DAEMON_TOKEN + "\n")
-    d = limited_daemon("--auth-token-file", str(token_file), "--round-timeout", "10",
-                       log_dir=tmp_path)
+    d = token_daemon(DAEMON_TOKEN, "--round-timeout", "10", log_dir=tmp_path)
     yield d
     d.stop()
 

@@ -15,17 +15,17 @@ import time
 import grpc
 import pytest
 from probes import (
+    RawStream,
     assert_alive,
     data_port,
     data_socket,
     get_status,
     good_job,
-    limited_daemon,
     read_status_frame,
     shard,
+    token_daemon,
     wait_until,
 )
-from raw_stream import RawStream
 
 from reducerd.access import job_token
 
@@ -38,10 +38,7 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 @pytest.fixture
 def daemon(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text(DAEMON_TOKEN + "\n")
-    d = limited_daemon("--auth-token-file", str(token_file), log_dir=tmp_path,
-                       prelude=_SMALL_CAPS)
+    d = token_daemon(DAEMON_TOKEN, log_dir=tmp_path, prelude=_SMALL_CAPS)
     yield d
     d.stop()
 
