@@ -295,6 +295,44 @@ def test_widening_and_adding_every_length_and_alignment(isa):
         kernels.set_isa("best")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["f16_to_f32", "bf16_to_f32"])
+def test_streaming_widening_writes_the_plain_widenings_bits_and_nothing_else(isa, name):
+    """The streaming-store variants (a large output not read again soon) give
+    the same bits for every pattern, at every length and output alignment
+    (the head up to a cache line, the tail), and write nothing outside."""
+    kernels = _use_isa(isa)
+    plain, streaming = getattr(kernels, name), getattr(kernels, name + "_stream")
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    try:
+        for n in (0, 1, 15, 31, 32, 33, 95, 1000, every.size):
+            bits = every[:n] if n < every.size else every
+            expected = np.empty(n, np.float32)
+            plain(bits, expected)
+            for offset in (0, 1, 5, 15, 16):  # elements past a 64-byte boundary
+                space = np.full(n + 48, 7.0, np.float32)
+                start = offset + (-space.ctypes.data // 4) % 16
+                streaming(bits, space[start:start + n])
+                assert np.array_equal(space[start:start + n].view(np.uint32),
+                                      expected.view(np.uint32)), (n, offset)
+                assert (space[:start] == 7.0).all() and (space[start + n:] == 7.0).all()
+    finally:
+        kernels.set_isa("best")
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, BF16])
+def test_from_wire_streams_only_when_asked_and_gives_the_same_values(codec, dtype):
+    bits = np.random.default_rng(5).integers(0, 1 << 16, 100_003, dtype=np.uint32)
+    data = bits.astype(np.uint16).tobytes()
+    plain, streamed = np.empty(bits.size, np.float32), np.empty(bits.size, np.float32)
+    convert.from_wire(data, dtype, plain)
+    convert.from_wire(data, dtype, streamed, stream=True)
+    assert np.array_equal(plain.view(np.uint32), streamed.view(np.uint32))
+    as_float64 = np.empty(bits.size, np.float64)  # not the C path's output: a hint only
+    convert.from_wire(data, dtype, as_float64, stream=True)
+    assert np.array_equal(as_float64, plain.astype(np.float64), equal_nan=True)
+
+
 def test_kernels_use_the_widest_instructions_the_cpu_has():
     """Runtime dispatch: AVX-512 where the CPU has it, else F16C (never the
     portable loop on an x86-64 CPU with F16C)."""

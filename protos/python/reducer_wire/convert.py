@@ -222,11 +222,16 @@ def to_wire(values: np.ndarray, dtype: int,
     return target
 
 
-def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray) -> None:
+def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray, *,
+              stream: bool = False) -> None:
     """Write wire elements into `out` (any float dtype), converting exactly.
 
     bfloat16 and float16 both widen exactly to float32 and so to float64, as
-    the 8-bit wires do (reducer_wire.quant).
+    the 8-bit wires do (reducer_wire.quant). `stream`: `out` is part of a
+    large output that is not read again soon (a reply widened into the
+    caller's gradient), so the C kernels write it with streaming stores,
+    which do not read the lines first (the same bits; a hint, ignored where
+    there is no such path).
     """
     if dtype in QUANTIZED_DTYPES:
         quant.decode(data, dtype, out, _fast is not None)
@@ -243,9 +248,9 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
         direct = out.dtype == np.float32 and out.flags.c_contiguous
         target = out if direct else np.empty(raw.size, dtype=np.float32)
         if dtype == pb.DTYPE_BFLOAT16:
-            fast.bf16_to_f32(raw, target)
+            (fast.bf16_to_f32_stream if stream and direct else fast.bf16_to_f32)(raw, target)
         else:
-            fast.f16_to_f32(raw, target)
+            (fast.f16_to_f32_stream if stream and direct else fast.f16_to_f32)(raw, target)
         if not direct:
             np.copyto(out, target, casting="unsafe")
         return
