@@ -324,6 +324,32 @@ def test_int8_c_matches_numpy_bit_for_bit(block):
     quant.kernels().set_simd(True)
 
 
+@pytest.mark.parametrize("block", [1, 3, 128, 4096, 5000])
+def test_int8_streamed_decoding_gives_the_same_bits_and_writes_nothing_else(block):
+    """decode_int8(stream=True) (convert.from_wire's hint for a large output)
+    decodes piece by piece through a 16 KiB buffer and copies it out with
+    streaming stores: the same bits at every length and output alignment,
+    across pieces (blocks that fill a piece, that do not divide it, or that
+    are larger than it), nothing written outside the output."""
+    if quant.kernels() is None:
+        pytest.skip("reducer_wire._quant not built")
+    rng = np.random.default_rng(block)
+    for n in (1, 17, 4095, 4096, 4097, 3 * 4096 + 5, 70_001):
+        x = f32(rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n))
+        x[rng.integers(0, n, 2)] = [np.nan, 0.0]
+        wire = encode_q8(x, block=block)
+        for simd in (True, False):
+            quant.kernels().set_simd(simd)
+            want = decode_q8(wire, n, block=block)
+            for offset in (0, 1, 3):  # float32 elements past a 16-byte boundary
+                space = np.full(n + 8, 7.0, np.float32)
+                start = offset + (-space.ctypes.data // 4) % 4
+                quant.decode_int8(wire, space[start:start + n], block, stream=True)
+                assert same_bits_or_both_nan(space[start:start + n], want), (n, simd, offset)
+                assert (space[:start] == 7.0).all() and (space[start + n:] == 7.0).all()
+        quant.kernels().set_simd(True)
+
+
 def test_bad_sizes_are_refused_with_the_sizes_named():
     with pytest.raises(ValueError, match="3 elements take 15 bytes"):
         quant.encode_int8(f32([1, 2, 3]), np.empty(14, np.uint8), block=1)

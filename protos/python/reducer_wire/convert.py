@@ -234,7 +234,7 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
     there is no such path).
     """
     if dtype in QUANTIZED_DTYPES:
-        quant.decode(data, dtype, out, _fast is not None)
+        quant.decode(data, dtype, out, _fast is not None, stream)
         return
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype)) if not isinstance(
         data, np.ndarray) else data

@@ -185,13 +185,14 @@ def _decoded_int8(data: np.ndarray, numel: int, block: int) -> np.ndarray:
 
 
 def decode_int8(data: bytes | memoryview | np.ndarray, out: np.ndarray,
-                block: int = INT8_BLOCK, use_c: bool = True) -> None:
-    """Write the float32 values of int8 wire bytes into `out` (any float dtype)."""
+                block: int = INT8_BLOCK, use_c: bool = True, stream: bool = False) -> None:
+    """Write the float32 values of int8 wire bytes into `out` (any float dtype);
+    stream: convert.from_wire's hint (streaming stores in C)."""
     raw = _bytes(data)
     _check_int8(out.size, raw.size, block, "decode_int8")
     if (use_c and _built is not None and out.dtype == np.float32
             and out.flags.c_contiguous):
-        _built.q8_decode(raw, out, block)
+        _built.q8_decode(raw, out, block, stream)
         return
     np.copyto(out, _decoded_int8(raw, out.size, block).reshape(out.shape), casting="unsafe")
 
@@ -343,12 +344,12 @@ def encode(values: np.ndarray, dtype: int, out: np.ndarray | memoryview | bytear
 
 
 def decode(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray,
-           use_c: bool = True) -> None:
+           use_c: bool = True, stream: bool = False) -> None:
     """Write the values of `dtype` wire bytes into `out` (any float dtype), exactly."""
     if dtype == pb.DTYPE_INT8_BLOCK128:
-        decode_int8(data, out, INT8_BLOCK, use_c)
+        decode_int8(data, out, INT8_BLOCK, use_c, stream)
     else:
-        decode_fp8(data, out, _FP8_BY_DTYPE[dtype], use_c)
+        decode_fp8(data, out, _FP8_BY_DTYPE[dtype], use_c)  # streaming would not pay
 
 
 def add(acc: np.ndarray, data: bytes | memoryview | np.ndarray, dtype: int,
