@@ -47,6 +47,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.bench.loadgen import LoadSpec, run_load
 from reducerd.bench.procs import cpu_seconds as cpu_s
 from reducerd.local import start_daemon
+from reducerd.memory import tune_malloc
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing import SummingPool
 
@@ -139,6 +140,7 @@ def measure_table(threads: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     """The summing path alone: prepared contributions into a ReductionTable."""
+    tune_malloc()  # the daemon's allocator settings, as it sets them before its threads start
     world, numel = args.contributors, args.chunk_bytes // 2
     chunks = max(1, args.key_bytes // args.chunk_bytes)
     rounds = max(2, round(args.input_bytes / (world * chunks * args.chunk_bytes)))
