@@ -41,6 +41,15 @@ __all__ = ["Daemon"]
 
 log = logging.getLogger("reducerd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reducer"].full_name
+# gRPC connections open at once, with or without a call (health and
+# reflection need no token, so anyone reaching the port can open them); gRPC
+# closes the ones beyond at once. An idle one holds about 17 KiB of the
+# daemon's memory (a raw TCP connection 11 KiB), so 8,192 hold about 140 MiB,
+# as the data plane's 4,096 do; without a cap they grew with every
+# connection opened until the descriptors ran out (LimitNOFILE 65,536 in the
+# systemd units: about 1 GiB). Workers need one each per daemon, beside
+# their data connections.
+MAX_GRPC_CONNECTIONS = 8192
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -127,6 +136,7 @@ class Daemon:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.max_allowed_incoming_connections", MAX_GRPC_CONNECTIONS),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((self.servicer.handler(),))
