@@ -9,7 +9,10 @@ float32 of the result, and the daemon's float16 widen-and-add into a float32
 accumulator. Each runs with every instruction set the CPU has (AVX-512,
 F16C) and with NumPy; the narrowing is also compared with a bare vcvtps2ph
 loop of the same width (no NaN handling, so not a wire conversion): the ratio
-"ours / bare" is what the NaN handling costs. Prints the best of --repeat.
+"ours / bare" is what the NaN handling costs. Then the replies widened into
+the whole output with plain and with streaming stores (float16, bfloat16,
+int8), as an operation with a large output widens them. Prints the best of
+--repeat.
 """
 
 from __future__ import annotations
@@ -110,6 +113,23 @@ def main() -> int:
         row.append(best_of(args.repeat, fn))
         convert.use_accelerator(True)
         print(f"  {label:<34}" + "".join(f"{t * 1e3:12.2f}" for t in row))
+    # Replies widened into the whole output, plain against streaming stores
+    # (convert.from_wire(stream=True), what an Operation with a large output uses).
+    bf16, int8 = pb.DTYPE_BFLOAT16, pb.DTYPE_INT8_BLOCK128
+    replies = {dtype: [convert.to_wire(x[i:i + CHUNK], dtype).tobytes() for i in starts]
+               for dtype in (F16, bf16, int8)}
+
+    def widen_replies(dtype: int, stream: bool) -> Callable[[], None]:
+        def run() -> None:
+            for i, data in zip(starts, replies[dtype], strict=True):
+                convert.from_wire(data, dtype, out[i:i + CHUNK], stream=stream)
+        return run
+
+    print(f"  replies widened into the {args.mib} MiB output (C, best instruction set):"
+          f"{'plain':>10}{'streaming':>11}")
+    for label, dtype in (("float16", F16), ("bfloat16", bf16), ("int8 (blocks of 128)", int8)):
+        plain, streamed = (best_of(args.repeat, widen_replies(dtype, s)) for s in (False, True))
+        print(f"  {label:<34}{'':>24}{plain * 1e3:10.2f}{streamed * 1e3:11.2f}")
     if isas:
         # Alternating runs of the two, so that drift on a busy machine hits both alike.
         bares, ours = [], []
