@@ -329,6 +329,7 @@ static int use_avx2 = 0;
 #define STREAM_PIECE 4096  /* float32 elements of scratch: 16 KiB */
 
 #if defined(__GNUC__) && defined(__x86_64__)
+#define HAVE_STREAM_STORES 1
 #include <emmintrin.h>
 static void stream_copy(char *dst, const char *src, Py_ssize_t nbytes) {
     Py_ssize_t head = (Py_ssize_t)((16 - (uintptr_t)dst % 16) % 16);
@@ -348,7 +349,8 @@ static void stream_copy(char *dst, const char *src, Py_ssize_t nbytes) {
     memcpy(dst + i, src + i, (size_t)(nbytes - i));
 }
 static void stream_fence(void) { _mm_sfence(); }
-#else
+#else  /* no streaming stores: the hint is ignored (decoding straight into the output) */
+#define HAVE_STREAM_STORES 0
 static void stream_copy(char *dst, const char *src, Py_ssize_t nbytes) {
     memcpy(dst, src, (size_t)nbytes);
 }
@@ -444,7 +446,7 @@ static PyObject *py_q8_decode(PyObject *self, PyObject *args) {
     q8_parts_fn parts = PICK(q8_decode_parts);
     Py_BEGIN_ALLOW_THREADS
     RW_FP_ENTER;
-    if (stream && block <= STREAM_PIECE)
+    if (HAVE_STREAM_STORES && stream && block <= STREAM_PIECE)
         q8_decode_streamed(parts, (const char *)src.buf, (char *)dst.buf, n, block);
     else
         fn((const char *)src.buf, (char *)dst.buf, n, block);
