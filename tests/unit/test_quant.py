@@ -219,6 +219,43 @@ def test_fp8_c_matches_numpy_on_a_spread_of_all_bit_patterns(fmt):
     quant.kernels().set_simd(True)
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_fp8_every_length_and_alignment_and_streamed_decoding(fmt):
+    """The C loops (32 codes at a time for encoding, 8 for decoding and adding
+    through F16C, then a scalar tail; streaming stores after a scalar
+    prologue up to a 32-byte line) give NumPy's bits at every length and
+    source and output alignment, and write nothing outside the output."""
+    if quant.kernels() is None:
+        pytest.skip("reducer_wire._quant not built")
+    rng = np.random.default_rng(fmt.kind)
+    table = quant.fp8_table(fmt)
+    for n in (*range(0, 41), 63, 64, 65, 255, 257, 4099):
+        codes = rng.integers(0, 256, n).astype(np.uint8)
+        values = table[codes]
+        for simd in (True, False):
+            quant.kernels().set_simd(simd)
+            for offset in (0, 1, 3, 5):  # elements past a 32-byte line
+                space = np.full(n + 16, 7.0, np.float32)
+                start = offset + (-space.ctypes.data // 4) % 8
+                message = bytearray(offset) + codes.tobytes()
+                for stream in (False, True):
+                    out = space[start:start + n]
+                    quant.decode_fp8(memoryview(message)[offset:], out, fmt, stream=stream)
+                    assert same_bits_or_both_nan(out, values), (n, simd, offset, stream)
+                    assert (space[:start] == 7.0).all() and (space[start + n:] == 7.0).all()
+                acc = space[start:start + n]
+                acc[:] = rng.standard_normal(n)
+                with np.errstate(all="ignore"):
+                    want = acc + values
+                    quant.add_fp8(acc, memoryview(message)[offset:], fmt)
+                assert same_bits_or_both_nan(acc, want), (n, simd, offset)
+                x = f32(rng.standard_normal(n) * 10.0 ** rng.integers(-12, 4, n))
+                source = np.full(n + 8, 7.0, np.float32)[offset:offset + n]
+                source[:] = x
+                assert np.array_equal(encode8(source, fmt), encode8(x, fmt, use_c=False)), n
+    quant.kernels().set_simd(True)
+
+
 # -- int8 with block scales -----------------------------------------------------
 
 def _scales_and_codes(data, numel, block=B):

@@ -303,13 +303,17 @@ def encode_fp8(values: np.ndarray, out: np.ndarray | memoryview | bytearray,
 
 
 def decode_fp8(data: bytes | memoryview | np.ndarray, out: np.ndarray,
-               fmt: Fp8Format, use_c: bool = True) -> None:
-    """Write the values of FP8 codes into `out` (any float dtype), exactly."""
+               fmt: Fp8Format, use_c: bool = True, stream: bool = False) -> None:
+    """Write the values of FP8 codes into `out` (any float dtype), exactly.
+
+    stream: a hint for a large float32 output that is not read again soon
+    (convert.from_wire's replies): the C path then writes it with streaming
+    stores where the CPU has F16C; the same bits either way."""
     raw = _bytes(data)
     _check_fp8(out.size, raw.size, f"decode_fp8 ({fmt.name})")
     if (use_c and _built is not None and out.dtype == np.float32
             and out.flags.c_contiguous):
-        _built.fp8_decode(raw, out, fmt.kind)
+        _built.fp8_decode(raw, out, fmt.kind, stream)
         return
     np.copyto(out, _TABLES[fmt.kind][raw].reshape(out.shape), casting="unsafe")
 
@@ -349,7 +353,7 @@ def decode(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray,
     if dtype == pb.DTYPE_INT8_BLOCK128:
         decode_int8(data, out, INT8_BLOCK, use_c, stream)
     else:
-        decode_fp8(data, out, _FP8_BY_DTYPE[dtype], use_c)  # streaming would not pay
+        decode_fp8(data, out, _FP8_BY_DTYPE[dtype], use_c, stream)
 
 
 def add(acc: np.ndarray, data: bytes | memoryview | np.ndarray, dtype: int,
