@@ -11,8 +11,8 @@ F16C) and with NumPy; the narrowing is also compared with a bare vcvtps2ph
 loop of the same width (no NaN handling, so not a wire conversion): the ratio
 "ours / bare" is what the NaN handling costs. Then the replies widened into
 the whole output with plain and with streaming stores (float16, bfloat16,
-int8), as an operation with a large output widens them. Prints the best of
---repeat.
+int8, FP8), as an operation with a large output widens them, and the 8-bit
+encodings of the gradient into a message. Prints the best of --repeat.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.dtypes import wire_nbytes
 
 from reducerd import accumulate
 
@@ -116,8 +117,11 @@ def main() -> int:
     # Replies widened into the whole output, plain against streaming stores
     # (convert.from_wire(stream=True), what an Operation with a large output uses).
     bf16, int8 = pb.DTYPE_BFLOAT16, pb.DTYPE_INT8_BLOCK128
+    e4m3, e5m2 = pb.DTYPE_FP8_E4M3, pb.DTYPE_FP8_E5M2
+    widened = (("float16", F16), ("bfloat16", bf16), ("int8 (blocks of 128)", int8),
+               ("fp8_e4m3", e4m3), ("fp8_e5m2", e5m2))
     replies = {dtype: [convert.to_wire(x[i:i + CHUNK], dtype).tobytes() for i in starts]
-               for dtype in (F16, bf16, int8)}
+               for _, dtype in widened}
 
     def widen_replies(dtype: int, stream: bool) -> Callable[[], None]:
         def run() -> None:
@@ -127,9 +131,20 @@ def main() -> int:
 
     print(f"  replies widened into the {args.mib} MiB output (C, best instruction set):"
           f"{'plain':>10}{'streaming':>11}")
-    for label, dtype in (("float16", F16), ("bfloat16", bf16), ("int8 (blocks of 128)", int8)):
+    for label, dtype in widened:
         plain, streamed = (best_of(args.repeat, widen_replies(dtype, s)) for s in (False, True))
         print(f"  {label:<34}{'':>24}{plain * 1e3:10.2f}{streamed * 1e3:11.2f}")
+
+    def encode_chunks(dtype: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in starts:
+                part = x[i:i + CHUNK]
+                convert.to_wire(part, dtype, out=message[:wire_nbytes(dtype, part.size)])
+        return run
+
+    print("  8-bit encodings into a message (C, best instruction set):")
+    for label, dtype in widened[2:]:
+        print(f"  {label:<34}{'':>24}{best_of(args.repeat, encode_chunks(dtype)) * 1e3:10.2f}")
     if isas:
         # Alternating runs of the two, so that drift on a busy machine hits both alike.
         bares, ours = [], []
