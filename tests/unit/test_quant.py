@@ -253,6 +253,12 @@ def test_fp8_every_length_and_alignment_and_streamed_decoding(fmt):
                 source = np.full(n + 8, 7.0, np.float32)[offset:offset + n]
                 source[:] = x
                 assert np.array_equal(encode8(source, fmt), encode8(x, fmt, use_c=False)), n
+            # A float32 output off its 4-byte alignment (a view of a byte buffer).
+            raw = bytearray(4 * n + 1)
+            odd = np.frombuffer(raw, np.float32, count=n, offset=1)
+            for stream in (False, True):
+                quant.decode_fp8(codes, odd, fmt, stream=stream)
+                assert same_bits_or_both_nan(odd, values), (n, simd, stream)
     quant.kernels().set_simd(True)
 
 

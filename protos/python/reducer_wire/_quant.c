@@ -393,23 +393,29 @@ F16C_PATH static void fp8_encode_intrinsics(const char *src, char *dst, Py_ssize
  * stores (a large output not read again soon: see stream_copy below). */
 F16C_PATH static void fp8_decode_f16c(const char *src, char *dst, Py_ssize_t n, int kind,
                                       int stream) {
+    /* The output may sit at any byte (a float32 view of a buffer): scalar
+     * elements go through memcpy, and one that never reaches a 32-byte line
+     * is simply not streamed. */
     const uint8_t *codes = (const uint8_t *)src;
-    float *out = (float *)dst;
     Py_ssize_t i = 0;
     if (stream) {
-        while (i < n && (uintptr_t)(out + i) % 32) {
-            out[i] = kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
-                               : fp8_to_float(codes[i], FP8_DECODE_E5M2);
-            i++;
+        for (; i < n && (uintptr_t)(dst + 4 * i) % 32; i++) {
+            float v = kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
+                                : fp8_to_float(codes[i], FP8_DECODE_E5M2);
+            memcpy(dst + 4 * i, &v, 4);
         }
-        for (; i + 8 <= n; i += 8) _mm256_stream_ps(out + i, fp8_eight_f16c(codes + i, kind));
+        for (; i + 8 <= n; i += 8)
+            _mm256_stream_ps((float *)(dst + 4 * i), fp8_eight_f16c(codes + i, kind));
         _mm_sfence();
     } else {
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fp8_eight_f16c(codes + i, kind));
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps((float *)(dst + 4 * i), fp8_eight_f16c(codes + i, kind));
     }
-    for (; i < n; i++)
-        out[i] = kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
-                           : fp8_to_float(codes[i], FP8_DECODE_E5M2);
+    for (; i < n; i++) {
+        float v = kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
+                            : fp8_to_float(codes[i], FP8_DECODE_E5M2);
+        memcpy(dst + 4 * i, &v, 4);
+    }
 }
 
 F16C_PATH static void fp8_add_f16c(float *acc, const char *src, Py_ssize_t n, int kind) {
