@@ -23,18 +23,28 @@ FP8_SPACING = {"e4m3": 2.0 ** -9, "e5m2": 2.0 ** -16}  # subnormal step
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
-@pytest.fixture(params=["numpy", "c-simd", "c-portable"])
+def set_c_path(name):
+    """Choose the C loops: "best" (AVX-512 where there is one), "avx2" or "portable"."""
+    kernels = quant.kernels()
+    kernels.set_simd(name != "portable")
+    if name == "avx2":
+        kernels.set_avx512(False)
+
+
+C_PATHS = ("best", "avx2", "portable")
+
+
+@pytest.fixture(params=["numpy", "c-best", "c-avx2", "c-portable"])
 def impl(request):
     """Each implementation: yields use_c for the quant functions."""
     if request.param == "numpy":
         yield False
         return
-    kernels = quant.kernels()
-    if kernels is None:
+    if quant.kernels() is None:
         pytest.skip("reducer_wire._quant not built")
-    kernels.set_simd(request.param == "c-simd")
+    set_c_path(request.param.removeprefix("c-"))
     yield True
-    kernels.set_simd(True)
+    set_c_path("best")
 
 
 def f32(values):
@@ -213,15 +223,15 @@ def test_fp8_c_matches_numpy_on_a_spread_of_all_bit_patterns(fmt):
         pytest.skip("reducer_wire._quant not built")
     patterns = np.arange(0, 1 << 32, 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)
     reference = encode8(patterns, fmt, use_c=False)
-    for simd in (True, False):
-        quant.kernels().set_simd(simd)
-        assert np.array_equal(encode8(patterns, fmt), reference)
-    quant.kernels().set_simd(True)
+    for path in C_PATHS:
+        set_c_path(path)
+        assert np.array_equal(encode8(patterns, fmt), reference), path
+    set_c_path("best")
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 def test_fp8_every_length_and_alignment_and_streamed_decoding(fmt):
-    """The C loops (32 codes at a time for encoding, 8 for decoding and adding
+    """The C loops (16 or 32 codes at a time for encoding, 8 for decoding and adding
     through F16C, then a scalar tail; streaming stores after a scalar
     prologue up to a 32-byte line) give NumPy's bits at every length and
     source and output alignment, and write nothing outside the output."""
@@ -232,8 +242,8 @@ def test_fp8_every_length_and_alignment_and_streamed_decoding(fmt):
     for n in (*range(0, 41), 63, 64, 65, 255, 257, 4099):
         codes = rng.integers(0, 256, n).astype(np.uint8)
         values = table[codes]
-        for simd in (True, False):
-            quant.kernels().set_simd(simd)
+        for simd in C_PATHS:
+            set_c_path(simd)
             for offset in (0, 1, 3, 5):  # elements past a 32-byte line
                 space = np.full(n + 16, 7.0, np.float32)
                 start = offset + (-space.ctypes.data // 4) % 8
@@ -259,7 +269,7 @@ def test_fp8_every_length_and_alignment_and_streamed_decoding(fmt):
             for stream in (False, True):
                 quant.decode_fp8(codes, odd, fmt, stream=stream)
                 assert same_bits_or_both_nan(odd, values), (n, simd, stream)
-    quant.kernels().set_simd(True)
+    set_c_path("best")
 
 
 # -- int8 with block scales -----------------------------------------------------

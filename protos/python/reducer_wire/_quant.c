@@ -15,7 +15,8 @@
  * The loops are written once (always-inline bodies) and compiled twice: for
  * the baseline x86-64 (or any CPU) and for AVX2, chosen at run time, where the
  * compiler vectorises them. Where it does that poorly there are hand-written
- * AVX2 loops (int8 and FP8 encoding, FP8 decoding through F16C). Buffers may be unaligned (shard data sits
+ * AVX2 loops (int8 and FP8 encoding, FP8 decoding through F16C), and FP8
+ * encoding for AVX-512 too. Buffers may be unaligned (shard data sits
  * anywhere in a received message) except the float32 accumulator.
  * Little-endian hosts only, like _kernels.c.
  */
@@ -389,6 +390,49 @@ F16C_PATH static void fp8_encode_intrinsics(const char *src, char *dst, Py_ssize
                                      : fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E5M2));
 }
 
+/* The same on 16 lanes where the CPU has AVX-512: unsigned compares into
+ * masks, and vpmovdb packs the 16 codes to bytes. */
+#define AVX512_PATH __attribute__((target("avx512f")))
+
+AVX512_PATH static inline __m128i fp8_codes_avx512(__m512i bits, int mbits, int bias,
+                                                   uint32_t max_bits, uint32_t max_code,
+                                                   uint32_t inf_code, uint32_t nan_code) {
+    const int shift = 23 - mbits;
+    __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, shift), _mm512_set1_epi32(1));
+    __m512i code = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(magnitude, odd),
+        _mm512_set1_epi32((int)(((uint32_t)(bias - 127) << 23) + (1u << (shift - 1)) - 1u))),
+        shift);
+    __m512i magic = _mm512_set1_epi32((int)((uint32_t)(127 - bias + shift + 1) << 23));
+    __m512i tiny = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(
+        _mm512_castsi512_ps(magnitude), _mm512_castsi512_ps(magic))), magic);
+    code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(
+        magnitude, _mm512_set1_epi32((int)((uint32_t)(127 - bias + 1) << 23))), tiny);
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(
+        magnitude, _mm512_set1_epi32((int)max_bits)), _mm512_set1_epi32((int)max_code));
+    const __m512i inf = _mm512_set1_epi32(0x7F800000);
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpeq_epu32_mask(magnitude, inf),
+                                 _mm512_set1_epi32((int)inf_code));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(magnitude, inf),
+                                 _mm512_set1_epi32((int)nan_code));
+    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(bits, 24),
+                                                  _mm512_set1_epi32(0x80)));
+    return _mm512_cvtepi32_epi8(code);
+}
+
+AVX512_PATH static void fp8_encode_avx512(const char *src, char *dst, Py_ssize_t n, int kind) {
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i bits = _mm512_loadu_si512((const void *)(src + 4 * i));
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         kind == 0 ? fp8_codes_avx512(bits, FP8_ARGS_E4M3)
+                                   : fp8_codes_avx512(bits, FP8_ARGS_E5M2));
+    }
+    for (; i < n; i++)
+        dst[i] = (char)(kind == 0 ? fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E4M3)
+                                  : fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E5M2));
+}
+
 /* With `stream`, whole 32-byte lines of the output are written with streaming
  * stores (a large output not read again soon: see stream_copy below). */
 F16C_PATH static void fp8_decode_f16c(const char *src, char *dst, Py_ssize_t n, int kind,
@@ -432,6 +476,7 @@ F16C_PATH static void fp8_add_f16c(float *acc, const char *src, Py_ssize_t n, in
 
 static int use_avx2 = 0;
 static int use_f16c = 0;
+static int use_avx512 = 0;
 
 #ifdef HAVE_AVX2_PATH
 #define PICK(name) (use_avx2 ? name##_avx2 : name##_generic)
@@ -627,7 +672,9 @@ static PyObject *py_fp8_encode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     RW_FP_ENTER;
 #ifdef HAVE_AVX2_PATH
-    if (use_f16c)
+    if (use_avx512)
+        fp8_encode_avx512((const char *)src.buf, (char *)dst.buf, n, kind);
+    else if (use_f16c)
         fp8_encode_intrinsics((const char *)src.buf, (char *)dst.buf, n, kind);
     else
 #endif
@@ -711,12 +758,31 @@ static int cpu_has_f16c(void) {
 #endif
 }
 
+static int cpu_has_avx512(void) {
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *py_set_avx512(PyObject *self, PyObject *arg) {
+    /* For tests: the AVX-512 loops (FP8 encoding) where the CPU has them, or
+     * not (the AVX2 ones then run, if set_simd allows them). */
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    use_avx512 = on && use_avx2 && cpu_has_avx512();
+    return PyBool_FromLong(use_avx512);
+}
+
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     /* For tests: the baseline loops (False) or the AVX2 ones where the CPU has it. */
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     use_avx2 = on && cpu_has_avx2();
     use_f16c = on && cpu_has_f16c();
+    use_avx512 = use_avx2 && cpu_has_avx512();
     return PyBool_FromLong(use_avx2);
 }
 
@@ -735,6 +801,9 @@ static PyMethodDef methods[] = {
      "(stream: with streaming stores, for a large output not read again soon)."},
     {"fp8_add", py_fp8_add, METH_VARARGS,
      "fp8_add(acc, src, kind): float32 acc += the values of FP8 codes."},
+    {"set_avx512", py_set_avx512, METH_O,
+     "set_avx512(on) -> bool: with set_simd on, use the AVX-512 loops where the CPU has "
+     "them (set_simd(True) turns them on again)."},
     {"set_simd", py_set_simd, METH_O,
      "set_simd(on) -> bool: use the AVX2 loops (and F16C's FP8 decoding) if on and the "
      "CPU has them."},
@@ -750,5 +819,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__quant(void) {
     use_avx2 = cpu_has_avx2();
     use_f16c = cpu_has_f16c();
+    use_avx512 = use_avx2 && cpu_has_avx512();
     return PyModule_Create(&module);
 }
