@@ -105,6 +105,9 @@ class Connection:
         self.credit = Credit(QUEUED_FRAMES)
         self.reader_done = threading.Event()
         self.writer_done = threading.Event()
+        # A payload's receive tick is kept across frames (setting and clearing
+        # it per frame cost more GIL time than the adds), cleared once idle.
+        self.ticking = False
         self.registered = False  # a Stream of the session (its writer starts on need)
         self.counted_job: str | None = None  # its token's job, counted by the plane
 
@@ -192,7 +195,7 @@ class Connection:
         ending = False  # we asked the loop to end the stream: read and drop the rest
         while True:
             try:
-                header = read_header(self.io, limits.max_message_bytes)
+                header = read_header(self.io, limits.max_message_bytes, on_tick=self._idle)
                 if header is None:  # the client half-closed: answer what is open, then OK
                     plane.call(self.stream.half_close)
                     return
@@ -270,20 +273,25 @@ class Connection:
     def _receive(self, length: int) -> memoryview:
         """A payload, within the frame timeout of its header, into a fresh
         buffer. What the socket already holds is taken without waiting; only
-        a payload still arriving needs the receive tick (two setsockopt calls)."""
+        a payload still arriving needs the receive tick, set once and kept
+        until a tick passes before the next header (_idle)."""
         deadline_s = time.monotonic() + self.plane.limits.frame_timeout_s
         payload = np.empty(length, np.uint8).data
         got = recv_ready(self.sock, payload) if self.io is self.sock else 0
         if got == length:
             return payload
-        set_receive_tick(self.sock, _RECEIVE_TICK_S)
-        try:
-            if not recv_exactly(self.io, payload[got:], deadline_s):
-                raise TruncatedFrame(f"connection ended inside a frame ({got} of {length} "
-                                     f"bytes)")
-        finally:
-            set_receive_tick(self.sock, None)
+        if not self.ticking:
+            set_receive_tick(self.sock, _RECEIVE_TICK_S)
+            self.ticking = True
+        if not recv_exactly(self.io, payload[got:], deadline_s):
+            raise TruncatedFrame(f"connection ended inside a frame ({got} of {length} bytes)")
         return payload
+
+    def _idle(self) -> None:
+        """A tick passed before the next header: wait for it without one."""
+        if self.ticking:
+            set_receive_tick(self.sock, None)
+            self.ticking = False
 
     def _skip(self, length: int) -> None:
         """Read and drop `length` bytes (nothing is reserved for them)."""
@@ -376,7 +384,12 @@ def _drop_input(io: Any, timeout_s: float | None = None) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     scratch = memoryview(bytearray(_SKIP_BYTES))
     try:
-        while io.recv_into(scratch):
+        while True:
+            try:
+                if not io.recv_into(scratch):
+                    return
+            except BlockingIOError:  # the reader's receive tick passed: go on
+                pass
             if deadline is not None and time.monotonic() > deadline:
                 return
     except (OSError, ssl.SSLError):

@@ -304,3 +304,92 @@ def daemon_big(tmp_path):
     d = start_daemon("--round-timeout", "10", log_dir=tmp_path)
     yield d
     d.stop()
+
+
+def _recv_frames(sock: socket.socket, count: int, deadline_s: float) -> list[tuple[int, bytes]]:
+    """Read until `count` whole frames came (or the daemon closed, or the deadline)."""
+    from raw_frames import split_frames
+
+    received = bytearray()
+    while time.monotonic() < deadline_s:
+        frames, _ = split_frames(bytes(received))
+        if len(frames) >= count:
+            return frames
+        sock.settimeout(max(0.05, deadline_s - time.monotonic()))
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        received += chunk
+    return split_frames(bytes(received))[0]
+
+
+def test_a_payload_in_parts_then_idle_longer_than_the_frame_timeout_is_still_served(daemon):
+    """A payload that arrives in parts sets the connection's receive tick (the
+    frame timeout's clock); it is kept from frame to frame and cleared once the
+    connection is idle. An idle wait for the next header has no deadline: after
+    4 s (the frame timeout is 3 s here) a frame sent in parts is served again."""
+    host = daemon.address.rpartition(":")[0]
+    with socket.create_connection((host, data_port(daemon.address)), timeout=10) as sock:
+        sock.sendall(HELLO_OK)
+        for i, pause_s in enumerate((0.0, 4.0)):
+            time.sleep(pause_s)
+            whole = frame(SHARD, shard_bytes(key=f"parts-{i}", values=np.arange(4096.0)))
+            sock.sendall(whole[:1000])
+            time.sleep(0.4)  # more than one receive tick inside the payload
+            sock.sendall(whole[1000:])
+            replies = _recv_frames(sock, 1, time.monotonic() + 5)
+            assert [k for k, _ in replies] == [SHARD], replies
+            reply = decode_shard(replies[0][1])
+            assert reply.key == f"parts-{i}"
+            got = np.frombuffer(reply.data, "<f2").astype(np.float64)
+            assert np.array_equal(got, np.arange(4096.0).astype(np.float16))
+
+
+def test_a_payload_trickled_past_the_frame_timeout_ends_the_connection(daemon):
+    """Frame timeout 3 s: a payload trickled a few bytes at a time (each read
+    well within it) still ends the connection with DEADLINE_EXCEEDED within
+    the timeout of its header plus a tick, also after an earlier payload in
+    parts left the tick set."""
+    host = daemon.address.rpartition(":")[0]
+    with socket.create_connection((host, data_port(daemon.address)), timeout=10) as sock:
+        first = frame(SHARD, shard_bytes(key="first", values=np.ones(2048)))
+        sock.sendall(HELLO_OK + first[:500])
+        time.sleep(0.4)
+        sock.sendall(first[500:])
+        assert [k for k, _ in _recv_frames(sock, 1, time.monotonic() + 5)] == [SHARD]
+        trickled = frame(SHARD, shard_bytes(key="slow", values=np.ones(2048)))
+        sock.sendall(trickled[:100])
+        started = time.monotonic()
+        frames: list[tuple[int, bytes]] = []
+        for offset in range(100, len(trickled), 8):
+            if time.monotonic() - started > 8:  # the daemon should have ended it by now
+                break
+            try:
+                sock.sendall(trickled[offset:offset + 8])
+            except OSError:  # the daemon ended the connection
+                break
+            sock.settimeout(0.3)
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            frames = _recv_frames_from(data, sock)
+            break
+        elapsed = time.monotonic() - started
+        assert frames and status_of(frames)[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], frames
+        assert "did not arrive within 3 s of its header" in status_of(frames)[1]
+        assert 2.5 < elapsed < 3 + 2, elapsed
+
+
+def _recv_frames_from(first: bytes, sock: socket.socket) -> list[tuple[int, bytes]]:
+    """The frames of `first` and whatever follows until the daemon closes."""
+    from raw_frames import split_frames
+
+    received = bytearray(first)
+    sock.settimeout(5)
+    try:
+        while first and (chunk := sock.recv(1 << 16)):
+            received += chunk
+    except OSError:
+        pass
+    return split_frames(bytes(received))[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -81,12 +82,14 @@ _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 def recv_exactly(sock: Receiver, view: memoryview, deadline_s: float | None = None,
-                 ) -> bool:
+                 on_tick: Callable[[], None] | None = None) -> bool:
     """Fill `view` from the socket; False on a clean end of stream before any byte.
 
     deadline_s (time.monotonic()): raise FrameTimeout if `view` is not full by
     then, however slowly its bytes come. The socket must then have a receive
     tick (set_receive_tick), so that a silent peer returns control to check it.
+    on_tick: called each time a receive tick passes with nothing new (a
+    reader that keeps its tick between frames clears it there once idle).
     """
     got = 0
     while got < len(view):
@@ -94,6 +97,8 @@ def recv_exactly(sock: Receiver, view: memoryview, deadline_s: float | None = No
             n = sock.recv_into(view[got:], 0, _WAITALL)
         except BlockingIOError:  # the receive tick passed with nothing new
             n = -1
+            if on_tick is not None:
+                on_tick()
         if not n:
             if got:
                 raise TruncatedFrame(f"connection ended inside a frame ({got} of "
@@ -116,10 +121,11 @@ def recv_ready(sock: socket.socket, view: memoryview) -> int:
 
 
 def read_header(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
-                ) -> tuple[int, int] | None:
-    """The next frame's (kind, length), checked, or None at a clean end of stream."""
+                on_tick: Callable[[], None] | None = None) -> tuple[int, int] | None:
+    """The next frame's (kind, length), checked, or None at a clean end of
+    stream (deadline_s and on_tick: as for recv_exactly)."""
     header = bytearray(_HEADER.size)
-    if not recv_exactly(sock, memoryview(header), deadline_s):
+    if not recv_exactly(sock, memoryview(header), deadline_s, on_tick):
         return None
     kind, length = _HEADER.unpack(header)
     if kind not in (HELLO, SHARD, STATUS):
