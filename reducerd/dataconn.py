@@ -27,6 +27,7 @@ Bounds kept here (reducerd.dataplane has the plane-wide ones):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -105,9 +106,7 @@ class Connection:
         self.credit = Credit(QUEUED_FRAMES)
         self.reader_done = threading.Event()
         self.writer_done = threading.Event()
-        # A payload's receive tick is kept across frames (setting and clearing
-        # it per frame cost more GIL time than the adds), cleared once idle.
-        self.ticking = False
+        self.ticking = False  # a payload's receive tick, kept across frames (_idle)
         self.registered = False  # a Stream of the session (its writer starts on need)
         self.counted_job: str | None = None  # its token's job, counted by the plane
 
@@ -288,7 +287,8 @@ class Connection:
         return payload
 
     def _idle(self) -> None:
-        """A tick passed before the next header: wait for it without one."""
+        """A tick passed before the next header: wait for it without one (setting
+        and clearing the tick for every frame cost more GIL time than the adds)."""
         if self.ticking:
             set_receive_tick(self.sock, None)
             self.ticking = False
@@ -385,11 +385,9 @@ def _drop_input(io: Any, timeout_s: float | None = None) -> None:
     scratch = memoryview(bytearray(_SKIP_BYTES))
     try:
         while True:
-            try:
+            with contextlib.suppress(BlockingIOError):  # a receive tick passed: go on
                 if not io.recv_into(scratch):
                     return
-            except BlockingIOError:  # the reader's receive tick passed: go on
-                pass
             if deadline is not None and time.monotonic() > deadline:
                 return
     except (OSError, ssl.SSLError):
