@@ -17,11 +17,10 @@ Bounds kept here (reducerd.dataplane has the plane-wide ones):
   its payload must arrive within the frame timeout of its header;
 - before it reads a frame's payload, a reader waits until it has fewer than
   QUEUED_FRAMES shards waiting for the loop, the plane fewer than
-  BACKLOG_FRAMES (DataPlane.backlog: with hundreds of contributors each
-  connection's own allowance would add up), and fewer than UNSENT_FRAMES
-  replies or UNSENT_BYTES wait for its writer: meanwhile the frame stays in
-  the kernel, and TCP slows the client (a client that sends but does not
-  read is slowed, not buffered);
+  BACKLOG_FRAMES (DataPlane.backlog), and fewer than UNSENT_FRAMES replies
+  or UNSENT_BYTES (the loop's untaken frames counted as replies to come)
+  wait for its writer: meanwhile the frame stays in the kernel, and TCP
+  slows a client that sends but does not read, instead of buffering it;
 - a send that makes no progress for the send timeout ends the connection.
 """
 
@@ -238,6 +237,7 @@ class Connection:
                 plane.call(self.stream.end, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 _drop_input(self.io)
                 return
+            self.outbox.promise(length)
             plane.call(self._accept, decode_request(payload), length, job)
             # Not kept while waiting for the next header: with hundreds of
             # connections, each one's last frame would add up.
@@ -333,6 +333,7 @@ class Connection:
             log.exception("data connection %s: shard not taken", self.stream.peer)
             self.stream.end(grpc.StatusCode.INTERNAL, daemon_fault_message(exc))
         finally:
+            self.outbox.kept(length)
             self._give_room()
             # The table copied what it keeps: the frame's buffer is free.
             self.plane.budget.give_transport(length, job)

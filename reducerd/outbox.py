@@ -180,6 +180,11 @@ class ThreadOutbox(_Counted):
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._waiting = 0  # threads in take() or wait_below()
+        # Bytes of frames the reader handed to the loop that the loop has not
+        # taken yet: each may bring a reply of about its size, which
+        # wait_below counts (else a lagging loop lets the reader in for
+        # replies nobody has counted yet).
+        self._promised = 0
 
     def put_nowait(self, item: Any, priority: int = 0) -> None:
         with self._lock:
@@ -231,16 +236,30 @@ class ThreadOutbox(_Counted):
     def _queued(self) -> int:
         return len(self._items) + (self._head is not None)
 
+    def promise(self, nbytes: int) -> None:
+        """A frame of `nbytes` goes to the loop (reader thread)."""
+        with self._lock:
+            self._promised += nbytes
+
+    def kept(self, nbytes: int) -> None:
+        """The loop took that frame (a reply it answered at once is counted by now)."""
+        with self._lock:
+            self._promised -= nbytes
+            if self._waiting:
+                self._cond.notify_all()
+
     def wait_below(self, frames: int, nbytes: int, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until fewer than `frames` items and `nbytes`
-        bytes wait to be sent; whether they do."""
+        bytes (promised ones included) wait to be sent; whether they do."""
+        def below() -> bool:
+            return self._queued() < frames and self.unsent_bytes + self._promised < nbytes
+
         with self._lock:
-            if self._queued() < frames and self.unsent_bytes < nbytes:
+            if below():
                 return True
             self._waiting += 1
             try:
-                return self._cond.wait_for(
-                    lambda: self._queued() < frames and self.unsent_bytes < nbytes, timeout_s)
+                return self._cond.wait_for(below, timeout_s)
             finally:
                 self._waiting -= 1
 
