@@ -309,6 +309,16 @@ AVX2 static void q8_encode_avx2_intrinsics(const char *src, char *dst, Py_ssize_
     }
 }
 
+/* One element in either format: the scalar ends of the vector loops below. */
+INLINE uint8_t fp8_code_of(const char *src, int kind) {
+    uint32_t bits = load_u32(src);
+    return (uint8_t)(kind == 0 ? fp8_from_bits(bits, FP8_ARGS_E4M3)
+                               : fp8_from_bits(bits, FP8_ARGS_E5M2));
+}
+INLINE float fp8_value_of(uint8_t code, int kind) {
+    return kind == 0 ? fp8_to_float(code, FP8_DECODE_E4M3) : fp8_to_float(code, FP8_DECODE_E5M2);
+}
+
 /* FP8 decoding through float16 (F16C's vcvtph2ps), exact and branch-free:
  * an E5M2 code is the high byte of the float16 with the same value; an E4M3
  * code's fields, shifted into a float16's places, give its value times 2^-8
@@ -386,8 +396,7 @@ F16C_PATH static void fp8_encode_intrinsics(const char *src, char *dst, Py_ssize
         _mm256_storeu_si256((__m256i *)(out + i), _mm256_permutevar8x32_epi32(packed, order));
     }
     for (; i < n; i++)
-        out[i] = (uint8_t)(kind == 0 ? fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E4M3)
-                                     : fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E5M2));
+        out[i] = fp8_code_of(src + 4 * i, kind);
 }
 
 /* The same on 16 lanes where the CPU has AVX-512: unsigned compares into
@@ -429,8 +438,7 @@ AVX512_PATH static void fp8_encode_avx512(const char *src, char *dst, Py_ssize_t
                                    : fp8_codes_avx512(bits, FP8_ARGS_E5M2));
     }
     for (; i < n; i++)
-        dst[i] = (char)(kind == 0 ? fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E4M3)
-                                  : fp8_from_bits(load_u32(src + 4 * i), FP8_ARGS_E5M2));
+        dst[i] = (char)fp8_code_of(src + 4 * i, kind);
 }
 
 /* With `stream`, whole 32-byte lines of the output are written with streaming
@@ -444,8 +452,7 @@ F16C_PATH static void fp8_decode_f16c(const char *src, char *dst, Py_ssize_t n, 
     Py_ssize_t i = 0;
     if (stream) {
         for (; i < n && (uintptr_t)(dst + 4 * i) % 32; i++) {
-            float v = kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
-                                : fp8_to_float(codes[i], FP8_DECODE_E5M2);
+            float v = fp8_value_of(codes[i], kind);
             memcpy(dst + 4 * i, &v, 4);
         }
         for (; i + 8 <= n; i += 8)
@@ -456,8 +463,7 @@ F16C_PATH static void fp8_decode_f16c(const char *src, char *dst, Py_ssize_t n, 
             _mm256_storeu_ps((float *)(dst + 4 * i), fp8_eight_f16c(codes + i, kind));
     }
     for (; i < n; i++) {
-        float v = kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
-                            : fp8_to_float(codes[i], FP8_DECODE_E5M2);
+        float v = fp8_value_of(codes[i], kind);
         memcpy(dst + 4 * i, &v, 4);
     }
 }
@@ -469,8 +475,7 @@ F16C_PATH static void fp8_add_f16c(float *acc, const char *src, Py_ssize_t n, in
         _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i),
                                                 fp8_eight_f16c(codes + i, kind)));
     for (; i < n; i++)
-        acc[i] += kind == 0 ? fp8_to_float(codes[i], FP8_DECODE_E4M3)
-                            : fp8_to_float(codes[i], FP8_DECODE_E5M2);
+        acc[i] += fp8_value_of(codes[i], kind);
 }
 #endif
 
