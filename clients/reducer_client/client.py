@@ -22,18 +22,13 @@ import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import MAX_NAME_CHARS, ShardEncoder
-from reducer_wire.layout import (
-    DEFAULT_CHUNK_BYTES,
-    Chunk,
-    layout_fingerprint,
-    pipelined_chunk_bytes,
-    plan_wire_chunks,
-)
+from reducer_wire.layout import DEFAULT_CHUNK_BYTES, Chunk, KeyLayout
 
 from reducer_client.env import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WIRE_DTYPE,
     data_plane_from_env,
+    link_gbit_from_env,
     local_settings_from_env,
     settings_from_env,
     wire_numpy_from_env,
@@ -77,6 +72,9 @@ class ReducerClient:
     aggregation, its node's), so that a job restarted under its job id never gets an
     earlier incarnation's sums (contract section 2).
 
+    link_gbit: each worker's link to the daemons, each way, in Gbit/s (default
+    REDUCER_LINK_GBIT, else a fast network): what the chunks of a key are sized
+    for where chunk_bytes is not given (reducer_wire.layout); the same on every rank.
     environ: where the defaults above come from (and REDUCER_WIRE_NUMPY=1,
     conversions in NumPy instead of C): os.environ unless given; from_env(m)
     passes m, so such a client reads nothing else.
@@ -88,6 +86,7 @@ class ReducerClient:
                  tls: TLSConfig | bool | None = None, *, local_rank: int | None = None,
                  local_size: int | None = None, node_local: bool | None = None,
                  node_rank: int | None = None, data_plane: str | None = None,
+                 link_gbit: float | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -105,6 +104,8 @@ class ReducerClient:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 4:
             raise ValueError(f"chunk_bytes must be at least 4, got {chunk_bytes}")
+        if link_gbit is not None and not 0 < link_gbit < float("inf"):
+            raise ValueError(f"link_gbit must be a link rate in Gbit/s above 0, got {link_gbit}")
         environ = os.environ if environ is None else environ
         self.addresses = list(addresses)
         convert.use_accelerator(not wire_numpy_from_env(environ))
@@ -112,12 +113,11 @@ class ReducerClient:
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
-        # Without an explicit chunk_bytes, smaller keys get smaller chunks so
-        # that each daemon has several to pipeline (layout.pipelined_chunk_bytes).
-        self._pipelined = chunk_bytes is None
+        self.link_gbit = link_gbit_from_env(environ) if link_gbit is None else link_gbit
+        self._layout = KeyLayout.for_link(len(self.addresses), chunk_bytes, None
+                                          if self.link_gbit is None else self.link_gbit * 125e6)
         # What every worker must agree on for daemon i; the daemon checks it per job.
-        self._layouts = [layout_fingerprint(len(self.addresses), i, self.chunk_bytes)
-                         for i in range(len(self.addresses))]
+        self._layouts = [self._layout.fingerprint(i) for i in range(len(self.addresses))]
         metadata = [("authorization", f"Bearer {token}")] if token else []
         if tls is True:
             tls = TLSConfig()
@@ -281,8 +281,7 @@ class ReducerClient:
         flat = np.ascontiguousarray(array).reshape(-1)
         if self._node is None:  # before the round is taken: no round lost to a failure here
             result = np.empty(array.shape, dtype=array.dtype) if out is None else out
-            chunks = plan_wire_chunks(flat.size, dtype, len(self._links),
-                                      self._chunk_bytes_for(flat.size, dtype), key)
+            chunks = self._layout.plan(flat.size, dtype, key)
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
@@ -304,19 +303,11 @@ class ReducerClient:
         reduced slice lands in out[start:start + values.size].
         """
         assert self._node is not None
-        chunks = [Chunk(start + c.offset, c.numel, c.daemon) for c in plan_wire_chunks(
-            values.size, dtype, len(self._links),
-            self._chunk_bytes_for(values.size, dtype),
-            f"{key}#{start}")]
+        chunks = [Chunk(start + c.offset, c.numel, c.daemon)
+                  for c in self._layout.plan(values.size, dtype, f"{key}#{start}")]
         topology = self._node.topology
         return self._send_chunks(values, start, out, out, key,
                                  round_, dtype, op, chunks, topology.node, topology.nodes)
-
-    def _chunk_bytes_for(self, numel: int, dtype: int) -> int:
-        if not self._pipelined:
-            return self.chunk_bytes
-        return pipelined_chunk_bytes(dtypes.wire_nbytes(dtype, numel), len(self._links),
-                                     self.chunk_bytes)
 
     def _send_chunks(self, values: np.ndarray | None, base: int, out: np.ndarray,
                      result: np.ndarray, key: str, round_: int, dtype: int, op: int,

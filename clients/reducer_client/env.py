@@ -2,7 +2,8 @@
 
 REDUCER_ADDRESSES (comma-separated HOST:PORT), REDUCER_JOB, REDUCER_TOKEN,
 REDUCER_WIRE_DTYPE, REDUCER_TIMEOUT (seconds), REDUCER_CHUNK_BYTES,
-REDUCER_DATA_PLANE (auto, tcp or grpc: how shards travel), TLS with
+REDUCER_DATA_PLANE (auto, tcp or grpc: how shards travel), REDUCER_LINK_GBIT
+(each worker's link to the daemons in Gbit/s, which sizes the chunks), TLS with
 REDUCER_TLS=1 (system roots) or REDUCER_TLS_CA / REDUCER_TLS_CERT /
 REDUCER_TLS_KEY / REDUCER_TLS_SERVER_NAME (files, name override); rank and
 world size from REDUCER_RANK / REDUCER_WORLD_SIZE, else the launcher's own:
@@ -35,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env",
-           "data_plane_from_env", "wire_numpy_from_env", "DATA_PLANES",
+           "data_plane_from_env", "link_gbit_from_env", "wire_numpy_from_env", "DATA_PLANES",
            "DEFAULT_WIRE_DTYPE", "DEFAULT_TIMEOUT_S"]
 
 # How shards may travel (ReducerClient(data_plane=...), REDUCER_DATA_PLANE).
@@ -128,6 +129,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         "chunk_bytes": (_int(environ, "REDUCER_CHUNK_BYTES")
                         if environ.get("REDUCER_CHUNK_BYTES") else None),
         "data_plane": data_plane_from_env(environ),
+        "link_gbit": link_gbit_from_env(environ),
         "tls": None,
         "local_rank": 0, "local_size": 1, "node_rank": None, "node_local": True,
     }
@@ -157,3 +159,19 @@ def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:
     if value not in DATA_PLANES:
         raise ValueError(f"REDUCER_DATA_PLANE must be auto, tcp or grpc, got {value!r}")
     return value
+
+
+def link_gbit_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """REDUCER_LINK_GBIT (a worker's link rate in Gbit/s, e.g. 25 or 0.2), else None."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("REDUCER_LINK_GBIT", "").strip()
+    if not value:
+        return None
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = float("nan")
+    if not rate > 0 or rate == float("inf"):
+        raise ValueError(f"REDUCER_LINK_GBIT={value!r}: give the link rate in Gbit/s, "
+                         "a number above 0 (25 for 25 Gbit/s, 0.2 for 200 Mbit/s)")
+    return rate

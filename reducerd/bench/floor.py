@@ -150,18 +150,19 @@ class FloorComm(Comm):
 
     def prepare(self, numel: int) -> None:
         from reducer_wire import dtypes
-        from reducer_wire.layout import pipelined_chunk_bytes, plan_wire_chunks
+        from reducer_wire.layout import KeyLayout
 
         dtype = dtypes.WIRE_DTYPES[self.spec["wire_dtype"]]
         daemons = len(self.conns)
-        chunk_bytes = self.spec.get("chunk_bytes") or pipelined_chunk_bytes(
-            dtypes.wire_nbytes(dtype, numel), daemons)
+        link_gbit = self.spec.get("link_gbit")
+        layout = KeyLayout.for_link(daemons, self.spec.get("chunk_bytes"),
+                                    None if link_gbit is None else link_gbit * 125e6)
         self.sizes: list[list[int]] = [[] for _ in range(daemons)]
         # (daemon, start, end) of each chunk in the layout's order, which is the
         # order one sender hands them to their sockets (as reducerd's links keep in step).
         self.order: list[tuple[int, int, int]] = []
         ends = [0] * daemons
-        for chunk in plan_wire_chunks(numel, dtype, daemons, chunk_bytes, f"bench/{numel}"):
+        for chunk in layout.plan(numel, dtype, f"bench/{numel}"):
             nbytes = dtypes.wire_nbytes(dtype, chunk.numel)
             self.sizes[chunk.daemon].append(nbytes)
             self.order.append((chunk.daemon, ends[chunk.daemon], ends[chunk.daemon] + nbytes))

@@ -76,7 +76,10 @@ def _worker_spec(system: str, rank: int, config: BenchConfig, host: Host, **extr
         "sizes_bytes": list(config.sizes_bytes), "iters": config.iters,
         "warmup": config.warmup, "wire_dtype": wire_dtype,
         "mxnet_dtype": config.mxnet_dtype, "stall_timeout_s": config.stall_timeout_s,
-        "chunk_bytes": config.chunk_bytes, "iface": host.iface, **extra})
+        "chunk_bytes": config.chunk_bytes, "iface": host.iface,
+        # The clients size their chunks for the emulated links, as an operator would set.
+        "link_gbit": config.rate_bytes_per_s * 8e-9 if config.rate_bytes_per_s else None,
+        **extra})
 
 
 def _start_workers(system: str, python: str, config: BenchConfig, placement: Placement,

@@ -101,7 +101,8 @@ def _reducer_client(spec: dict[str, Any]) -> Any:
     return ReducerClient(
         addresses=spec["addresses"], job=spec["job"], rank=spec["rank"],
         world_size=spec["world_size"], wire_dtype=spec["wire_dtype"],
-        timeout=spec["stall_timeout_s"], chunk_bytes=spec.get("chunk_bytes"))
+        timeout=spec["stall_timeout_s"], chunk_bytes=spec.get("chunk_bytes"),
+        link_gbit=spec.get("link_gbit"))
 
 
 class ReducerdComm(Comm):

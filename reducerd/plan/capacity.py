@@ -48,7 +48,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from reducer_wire.layout import MIN_CHUNK_BYTES, chunk_count, pipelined_chunk_bytes
+from reducer_wire.layout import (
+    MIN_CHUNK_BYTES,
+    chunk_cost_bytes,
+    chunk_count,
+    pipelined_chunk_bytes,
+)
 
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
            "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
@@ -161,9 +166,10 @@ def link_efficiency(mtu: int) -> float:
     return (mtu - TCP_IP_HEADER_BYTES) / (mtu + ETHERNET_FRAMING_BYTES)
 
 
-def default_chunk_bytes(model_bytes: int, daemons: int) -> int:
-    """The client's default chunk size for one key of `model_bytes` over `daemons`."""
-    return pipelined_chunk_bytes(model_bytes, daemons)  # the layout rule's, as the client
+def default_chunk_bytes(model_bytes: int, daemons: int, link_Bps: float | None = None) -> int:
+    """The client's default chunk size for one key of `model_bytes` over
+    `daemons`, its link given as `link_Bps` (ReducerClient's link_gbit)."""
+    return pipelined_chunk_bytes(model_bytes, daemons, cost_bytes=chunk_cost_bytes(link_Bps))
 
 
 def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,
@@ -203,7 +209,7 @@ def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
     d = spec.daemons or needed
     n, m = spec.nodes, spec.model_bytes
     e = link_efficiency(spec.mtu)
-    chunk = layout_chunk_bytes(m, d, spec.chunk_bytes or default_chunk_bytes(m, d),
+    chunk = layout_chunk_bytes(m, d, spec.chunk_bytes or default_chunk_bytes(m, d, spec.link_Bps),
                                spec.wire_itemsize, spec.wire_block)
     daemon_bytes = n * m / d
     cpu_s = daemon_bytes / spec.daemon_rate_Bps_per_core

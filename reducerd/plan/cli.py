@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="summing cores per daemon link: reducerd --threads, or daemon processes "
              "per reducer node (default 1); 'fill': as many as keep the link full")
     add("--chunk-bytes", type=int, metavar="BYTES",
-        help="chunk size on the wire (default: the client's, model / (32 D) within "
-             "[64 KiB, 1 MiB])")
+        help="chunk size on the wire (default: the client's for --link, "
+             "reducer_wire.layout.pipelined_chunk_bytes)")
     add("--latency", metavar="TIME", help="one-way latency per message hop (e.g. 20us; "
         "default 0: bandwidth only)")
     add("--mtu", type=int, metavar="BYTES", help="link MTU, for the header overhead "

@@ -218,7 +218,7 @@ def test_steady_reductions_leave_nothing_for_the_cyclic_gc(tmp_path):
                             prelude="import gc; gc.disable()")
     gradient = np.ones(4 << 20, np.float32)  # 8 MiB on the float16 wire
     chunks = len(plan_wire_chunks(gradient.size, pb.DTYPE_FLOAT16, 1,
-                                  pipelined_chunk_bytes(8 * MiB, 1)))  # 32 of 256 KiB
+                                  pipelined_chunk_bytes(8 * MiB, 1)))  # 12 of 683 KiB
 
     def rounds(count: int) -> None:
         def worker(rank: int) -> None:

@@ -160,13 +160,16 @@ def silent_rank_worker(rank: int, world_size: int, addresses: list[str], silent:
             return {"error": (exc.code.name, str(exc)), "elapsed": time.monotonic() - start}
 
 
-def disagreeing_list_worker(rank: int, world_size: int, addresses: list[str]) -> dict:
-    """Rank 1 lists the daemons in the other order: a clear error, not a stall."""
+def disagreeing_list_worker(rank: int, world_size: int, addresses: list[str],
+                            rank1_settings: dict | None = None) -> dict:
+    """Rank 1 lists the daemons in the other order, or (rank1_settings) cuts
+    its keys otherwise: a clear error, not a stall."""
     import time
 
-    mine = list(reversed(addresses)) if rank == 1 else list(addresses)
+    mine = list(reversed(addresses)) if rank == 1 and not rank1_settings else list(addresses)
+    settings = rank1_settings if rank == 1 and rank1_settings else {}
     with ReducerClient(mine, job="disagree", rank=rank, world_size=world_size,
-                       timeout=30) as client:
+                       timeout=30, **settings) as client:
         start = time.monotonic()
         try:
             client.allreduce(np.ones(1 << 20, dtype=np.float32), key="k")

@@ -60,12 +60,18 @@ def test_silent_rank_gives_deadline_exceeded_naming_it(daemons):
         assert result["elapsed"] < 2 + 1.0
 
 
-def test_workers_that_disagree_on_the_daemon_list_fail_fast(daemons):
-    """Rank 1 lists the two daemons in the other order: both ranks get
+@pytest.mark.parametrize("rank1_settings", [
+    None,  # the daemon list in the other order
+    {"link_gbit": 0.2},  # a 2 MiB key in 64 KiB chunks, rank 0's in 256 KiB (a fast network)
+    {"chunk_bytes": 1 << 20},  # fixed 1 MiB chunks: the default's ceiling, but not its rule
+], ids=["daemon-order", "link-rate", "fixed-chunks"])
+def test_workers_that_disagree_on_the_layout_fail_fast(daemons, rank1_settings):
+    """Rank 1 lists the two daemons in the other order, or cuts its keys for
+    another link rate, or at a fixed chunk size: both ranks get
     INVALID_ARGUMENT saying so, long before the 6 s round timeout (which
     the daemons' drain at the end then waits for, for the chunks left open)."""
     with daemons(2, round_timeout=6) as d:
-        results = run_workers(disagreeing_list_worker, 2, (d.addresses,))
+        results = run_workers(disagreeing_list_worker, 2, (d.addresses, rank1_settings))
     for result in results:
         code, message = result["error"]
         assert code == "INVALID_ARGUMENT" and "disagree on the chunk layout" in message

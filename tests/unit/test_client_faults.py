@@ -215,19 +215,19 @@ def test_a_call_that_fails_inside_the_client_keeps_its_rank_in_step(clients, mon
     """A failure inside the client (here MemoryError cutting the array) before
     anything was sent takes no round of the key: the rank's next call pairs
     with the others' instead of running one round ahead of them for good."""
-    from reducer_client import client as client_module
+    from reducer_wire.layout import KeyLayout
 
     daemon = FakeDaemon()
     rank0, rank1 = clients([daemon], 0, 2), clients([daemon], 1, 2)
-    real_plan = client_module.plan_wire_chunks
+    real_plan = KeyLayout.plan
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError("no room for the layout")
 
-    monkeypatch.setattr(client_module, "plan_wire_chunks", out_of_memory)
+    monkeypatch.setattr(KeyLayout, "plan", out_of_memory)
     with pytest.raises(MemoryError):
         rank0.allreduce(np.ones(4, np.float32), "k")
-    monkeypatch.setattr(client_module, "plan_wire_chunks", real_plan)
+    monkeypatch.setattr(KeyLayout, "plan", real_plan)
     futures = [c.allreduce_async(np.full(4, c.rank + 1.0, np.float32), "k")
                for c in (rank0, rank1)]
     assert [f.result(WAIT_S).tolist() for f in futures] == [[3.0] * 4] * 2

@@ -1,3 +1,4 @@
+import math
 import zlib
 
 import numpy as np
@@ -77,28 +78,65 @@ def test_bad_arguments_are_named(args):
         plan_chunks(*args)
 
 
-def test_default_chunks_leave_every_daemon_several_to_pipeline():
-    from reducer_wire.layout import MIN_CHUNK_BYTES, pipelined_chunk_bytes
+def test_default_chunks_weigh_the_pipelines_ends_against_the_cost_per_chunk():
+    """Rule v4: sqrt(cost x bytes per daemon / 2), at most 32 chunks per
+    daemon, within [64 KiB, the 1 MiB ceiling]; the cost is the daemon's
+    whole fixed cost per chunk on a fast network, less on a slower link."""
+    from reducer_wire.layout import (
+        CHUNK_COST_BYTES,
+        DAEMON_BYTES_PER_S,
+        chunk_cost_bytes,
+        pipelined_chunk_bytes,
+    )
 
     mib = 1 << 20
-    assert pipelined_chunk_bytes(64 * mib, 2) == mib  # large keys: the 1 MiB ceiling
-    assert pipelined_chunk_bytes(32 * mib, 4) == mib // 4  # 32 chunks per daemon
-    assert pipelined_chunk_bytes(8 * mib, 4) == MIN_CHUNK_BYTES  # 32 per daemon, at the floor
+    assert chunk_cost_bytes() == chunk_cost_bytes(12.5e9) == CHUNK_COST_BYTES == 128 << 10
+    assert chunk_cost_bytes(DAEMON_BYTES_PER_S / 4) == CHUNK_COST_BYTES // 4
+    slow = chunk_cost_bytes(25e6)  # 200 Mbit/s
+    assert slow == round(CHUNK_COST_BYTES * 25e6 / DAEMON_BYTES_PER_S) == 2185
+    # A fast network: 16 MiB per daemon gives sqrt(2^17 x 2^24 / 2) = 1 MiB.
+    assert pipelined_chunk_bytes(32 * mib, 2) == mib
+    assert pipelined_chunk_bytes(64 * mib, 2) == mib  # 1.41 MiB wanted: the ceiling
+    assert pipelined_chunk_bytes(8 * mib, 4) == math.isqrt((128 << 10) * mib)  # 362 KiB
     assert pipelined_chunk_bytes(1000, 4) == MIN_CHUNK_BYTES  # small keys: one chunk
     assert pipelined_chunk_bytes(8 * mib, 4, max_chunk_bytes=1024) == 1024
-    chunks = plan_chunks(16 * mib, 2, 4, pipelined_chunk_bytes(32 * mib, 4), "k")
+    # Never more than 32 per daemon, whatever the cost.
+    assert pipelined_chunk_bytes(64 * mib, 4, cost_bytes=1) == mib // 2
+    chunks = plan_chunks(16 * mib, 2, 4, pipelined_chunk_bytes(32 * mib, 4, cost_bytes=1), "k")
     assert len(chunks) == 128 and {c.numel for c in chunks} == {mib // 8}
+    with pytest.raises(ValueError, match="cost_bytes"):
+        pipelined_chunk_bytes(mib, 1, cost_bytes=0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="link rate"):
+            chunk_cost_bytes(bad)
+
+
+@pytest.mark.parametrize("daemons", [1, 2, 3, 4, 8])
+def test_on_a_200_mbit_link_the_default_chunks_are_rule_v3s(daemons):
+    """Where the link, not the daemon, sets the pace, the fixed cost per chunk
+    hides behind the transfer: rule v4 at 200 Mbit/s cuts every key as v3 did
+    (32 chunks per daemon, within [64 KiB, 1 MiB]), which the emulated
+    cluster's runs were measured with."""
+    from reducer_wire.layout import chunk_cost_bytes, pipelined_chunk_bytes
+
+    slow = chunk_cost_bytes(25e6)
+    for total in [1, 1000, 64 << 10, 1 << 20, 3 << 20, 8 << 20, 16 << 20, 100_000_007,
+                  1 << 30, *range(1 << 16, 64 << 20, 999_983)]:
+        v3 = max(MIN_CHUNK_BYTES, min(DEFAULT_CHUNK_BYTES, -(-total // (daemons * 32))))
+        assert pipelined_chunk_bytes(total, daemons, cost_bytes=slow) == v3, total
 
 
 @settings(max_examples=200, deadline=None)
 @given(numel=st.integers(1, 1 << 22), daemons=st.integers(1, 8),
        dtype_name=st.sampled_from(["float16", "float32", "int8", "fp8_e4m3"]),
-       key=st.text(max_size=8), default=st.booleans())
+       key=st.text(max_size=8), default=st.booleans(),
+       cost=st.sampled_from([1, 2185, 128 << 10]))
 def test_wire_layout_covers_in_whole_blocks_within_bounds(numel, daemons, dtype_name, key,
-                                                          default):
+                                                          default, cost):
     """What every worker computes alone from (length, key, daemons, chunk_bytes):
     the same chunks, each element in exactly one, whole 128-element blocks for
-    int8, no chunk over its bytes, at least 32 per daemon where the floor allows."""
+    int8, no chunk over its bytes, at most 32 per daemon (one more for int8's
+    rounding to whole blocks) by default."""
     from reducer_wire import dtypes
     from reducer_wire.layout import (
         MIN_CHUNK_BYTES,
@@ -110,7 +148,7 @@ def test_wire_layout_covers_in_whole_blocks_within_bounds(numel, daemons, dtype_
     dtype = dtypes.WIRE_DTYPES[dtype_name]
     block = dtypes.wire_block(dtype)
     total = dtypes.wire_nbytes(dtype, numel)
-    chunk_bytes = pipelined_chunk_bytes(total, daemons) if default else 200_000
+    chunk_bytes = pipelined_chunk_bytes(total, daemons, cost_bytes=cost) if default else 200_000
     chunks = plan_wire_chunks(numel, dtype, daemons, chunk_bytes, key)
     _check_cover(chunks, numel)
     assert chunks == plan_wire_chunks(numel, dtype, daemons, chunk_bytes, key)
@@ -121,26 +159,51 @@ def test_wire_layout_covers_in_whole_blocks_within_bounds(numel, daemons, dtype_
     assert max(blocks) - min(blocks) <= 1
     first = zlib.crc32(key.encode()) % daemons
     assert [c.daemon for c in chunks] == [(first + i) % daemons for i in range(len(chunks))]
-    if default and chunk_bytes > MIN_CHUNK_BYTES and chunk_bytes < DEFAULT_CHUNK_BYTES:
-        assert len(chunks) >= PIPELINE_CHUNKS_PER_DAEMON * daemons
+    if default and chunk_bytes > MIN_CHUNK_BYTES:
+        assert len(chunks) <= (PIPELINE_CHUNKS_PER_DAEMON + 1) * daemons
 
 
-def test_fingerprint_names_rule_daemons_place_and_chunk_bytes():
+def test_fingerprint_names_rule_daemons_place_chunk_bytes_and_sizing():
     import hashlib
 
-    from reducer_wire.layout import LAYOUT_RULE, layout_fingerprint
+    from reducer_wire.layout import LAYOUT_RULE, KeyLayout, layout_fingerprint
 
     def v1(num_daemons, daemon, chunk_bytes, rule="v1"):  # what older clients send
         text = f"reducer-layout/{rule} {num_daemons} {daemon} {chunk_bytes}".encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
 
-    assert LAYOUT_RULE == "reducer-layout/v3"
-    base = layout_fingerprint(4, 1, 1 << 20)
-    assert base == layout_fingerprint(4, 1, 1 << 20) and 0 < base < 1 << 64
-    others = {layout_fingerprint(5, 1, 1 << 20), layout_fingerprint(4, 2, 1 << 20),
-              layout_fingerprint(4, 1, 1 << 19), v1(4, 1, 1 << 20),
-              v1(4, 1, 1 << 20, "v2")}
-    assert base not in others and len(others) == 5
+    assert LAYOUT_RULE == "reducer-layout/v4"
+    base = layout_fingerprint(4, 1, 1 << 20, 128 << 10)
+    assert base == layout_fingerprint(4, 1, 1 << 20, 128 << 10) and 0 < base < 1 << 64
+    others = {layout_fingerprint(5, 1, 1 << 20, 128 << 10),
+              layout_fingerprint(4, 2, 1 << 20, 128 << 10),
+              layout_fingerprint(4, 1, 1 << 19, 128 << 10),
+              layout_fingerprint(4, 1, 1 << 20, 2185),  # sized for a 200 Mbit/s link
+              layout_fingerprint(4, 1, 1 << 20, None),  # fixed 1 MiB chunks
+              v1(4, 1, 1 << 20), v1(4, 1, 1 << 20, "v2"), v1(4, 1, 1 << 20, "v3")}
+    assert base not in others and len(others) == 8
+    # Links the daemon cannot keep up with anyway size chunks alike: they agree.
+    assert KeyLayout.for_link(4, None, 12.5e9).fingerprint(1) == base
+    assert KeyLayout.for_link(4, None, None).fingerprint(1) == base
+    assert KeyLayout.for_link(4, 1 << 20, 12.5e9).fingerprint(1) == layout_fingerprint(
+        4, 1, 1 << 20, None)
+
+
+def test_a_key_layout_cuts_keys_by_its_rule():
+    from reducer_wire import dtypes
+    from reducer_wire.layout import KeyLayout, pipelined_chunk_bytes, plan_wire_chunks
+
+    f16, int8 = dtypes.WIRE_DTYPES["float16"], dtypes.WIRE_DTYPES["int8"]
+    fast, slow = KeyLayout.for_link(2), KeyLayout.for_link(2, None, 25e6)
+    numel = 16 << 20  # 32 MiB of float16
+    assert fast.chunk_bytes_of(numel, f16) == 1 << 20
+    assert slow.chunk_bytes_of(numel, f16) == 512 << 10  # 32 per daemon, as v3
+    assert fast.plan(numel, f16, "k") == plan_wire_chunks(numel, f16, 2, 1 << 20, "k")
+    assert len(slow.plan(numel, f16, "k")) == 64
+    fixed = KeyLayout.for_link(2, 200_000)
+    assert fixed.chunk_bytes_of(10, f16) == fixed.chunk_bytes_of(numel, int8) == 200_000
+    assert fast.chunk_bytes_of(numel, int8) == pipelined_chunk_bytes(
+        dtypes.wire_nbytes(int8, numel), 2)
 
 
 def test_daemon_refuses_a_job_whose_clients_cut_by_different_rules():
@@ -159,7 +222,7 @@ def test_daemon_refuses_a_job_whose_clients_cut_by_different_rules():
     table = ReductionTable(round_timeout_s=5, max_inflight_bytes=1 << 20)
     cid = ChunkId("job", "k", 0, 0)
     data = np.ones(4, dtype="<f2").tobytes()
-    new = layout_fingerprint(2, 0, 1 << 20)
+    new = layout_fingerprint(2, 0, 1 << 20, 128 << 10)
     assert table.contribute(cid, Contribution(0, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, data,
                                               new), "rank0") == []
     failed = table.contribute(cid, Contribution(1, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM,

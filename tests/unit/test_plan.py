@@ -142,12 +142,14 @@ def test_bert_large_cluster_needs_256_daemon_links_of_11_cores():
 
 
 def test_the_planners_chunks_are_the_layout_rules():
-    from reducer_wire.layout import pipelined_chunk_bytes, plan_chunks
+    from reducer_wire.layout import chunk_cost_bytes, pipelined_chunk_bytes, plan_chunks
 
     for model_bytes in (2, 1000, 64 << 10, 100_000, 1 << 20, 3 << 20, 1 << 24, 672_452_216):
         for daemons in (1, 2, 4, 256):
             chunk = default_chunk_bytes(model_bytes, daemons)
             assert chunk == pipelined_chunk_bytes(model_bytes, daemons)
+            assert default_chunk_bytes(model_bytes, daemons, 25e6) == pipelined_chunk_bytes(
+                model_bytes, daemons, cost_bytes=chunk_cost_bytes(25e6))
             for limit in (chunk, 4096, 1 << 20):
                 count = len(plan_chunks(model_bytes // 2, 2, daemons, limit))
                 assert layout_chunk_bytes(model_bytes, daemons, limit) == pytest.approx(
@@ -155,9 +157,10 @@ def test_the_planners_chunks_are_the_layout_rules():
 
 
 def test_the_planners_int8_chunks_are_the_layout_rules():
-    """int8's chunks hold whole blocks of 128 elements, 132 bytes with their scale."""
+    """int8's chunks hold whole blocks of 128 elements, 132 bytes with their scale;
+    the clients are given the planned link rate (1 GB/s: less than a daemon sums)."""
     from reducer_wire import dtypes
-    from reducer_wire.layout import plan_wire_chunks
+    from reducer_wire.layout import KeyLayout, plan_wire_chunks
 
     int8 = dtypes.WIRE_DTYPES["int8"]
     for params in (1000, 70_000, 25_557_032, 1 << 24):
@@ -165,8 +168,9 @@ def test_the_planners_int8_chunks_are_the_layout_rules():
             plan = plan_from_argv(["--model", f"{params} params", "--workers", "4",
                                    "--link", "1gbps", "--wire-dtype", "int8",
                                    "--daemons", str(daemons)])
-            chunks = plan_wire_chunks(params, int8, daemons,
-                                      default_chunk_bytes(plan["inputs"]["model_bytes"], daemons))
+            chunks = plan_wire_chunks(params, int8, daemons, default_chunk_bytes(
+                plan["inputs"]["model_bytes"], daemons, 1e9))
+            assert chunks == KeyLayout.for_link(daemons, None, 1e9).plan(params, int8)
             mean = dtypes.wire_nbytes(int8, params) / len(chunks)
             assert plan["reducerd"]["chunk_bytes"] == pytest.approx(mean, rel=1e-3)
 

@@ -46,6 +46,7 @@ def test_from_env_reducer_variables():
                         "world_size": 8, "token": "s3cret", "wire_dtype": "bfloat16",
                         # every other setting explicit, at its documented default:
                         "timeout": 60.0, "chunk_bytes": None, "data_plane": "auto",
+                        "link_gbit": None,
                         "tls": None, "local_rank": 0, "local_size": 1, "node_rank": None,
                         "node_local": True}
 
@@ -110,8 +111,10 @@ def test_bad_data_plane_is_a_clear_error():
 
 
 # What os.environ says in the tests below: were it read, the client would
-# differ in its data plane, its conversions and its node group (L = 2).
+# differ in its data plane, its conversions, its node group (L = 2) and its
+# chunk sizes (a 200 Mbit/s link).
 OTHER_ENVIRONMENT = {"REDUCER_DATA_PLANE": "tcp", "REDUCER_WIRE_NUMPY": "1",
+                     "REDUCER_LINK_GBIT": "0.2",
                      "REDUCER_LOCAL_RANK": "0", "REDUCER_LOCAL_SIZE": "2",
                      "REDUCER_NODE_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
 
@@ -142,6 +145,7 @@ def test_from_env_mapping_is_read_alone(other_environment):
         assert _chain(client) == [["tcp", "grpc"]]  # auto, not os.environ's tcp
         assert convert.accelerated() == _kernels_built()
         assert client.job == "mapping-only" and client.timeout == 60.0
+        assert client.link_gbit is None
     with ReducerClient.from_env({**mapping, "REDUCER_WIRE_NUMPY": "1",
                                  "REDUCER_DATA_PLANE": "grpc"}) as client:
         assert not convert.accelerated() and _chain(client) == [["grpc"]]
@@ -155,11 +159,48 @@ def test_the_constructor_keeps_its_environment_defaults(other_environment, monke
     with ReducerClient(["127.0.0.1:1"], "j", 0, 2) as client:
         assert _chain(client) == [["tcp"]] and not convert.accelerated()
         assert (client.local_rank, client.local_size) == (0, 2) and client._node is None
+        assert client.link_gbit == 0.2
 
 
 def _kernels_built():
     import importlib.util
     return importlib.util.find_spec("reducer_wire._kernels") is not None
+
+
+def test_the_link_rate_sizes_the_chunks_and_is_in_the_fingerprint():
+    """link_gbit / REDUCER_LINK_GBIT: the chunks of a key are cut for it
+    (reducer_wire.layout rule v4), and ranks given another rate or a fixed
+    chunk size send another layout fingerprint; bad rates are named."""
+    from reducer_client import ReducerClient
+    from reducer_client.env import link_gbit_from_env
+    from reducer_wire import dtypes
+    from reducer_wire.layout import KeyLayout
+
+    assert link_gbit_from_env({}) is None and link_gbit_from_env({"REDUCER_LINK_GBIT": ""}) is None
+    assert link_gbit_from_env({"REDUCER_LINK_GBIT": " 25 "}) == 25.0
+    for bad in ("fast", "0", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=f"REDUCER_LINK_GBIT='{bad}': give the link rate"):
+            link_gbit_from_env({"REDUCER_LINK_GBIT": bad})
+    for bad in (0, -2.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="link_gbit must be a link rate in Gbit/s"):
+            ReducerClient(["127.0.0.1:1", "127.0.0.1:2"], "j", 0, 1, link_gbit=bad)
+    f16 = dtypes.WIRE_DTYPES["float16"]
+    base = {"REDUCER_ADDRESSES": "127.0.0.1:1,127.0.0.1:2", "REDUCER_RANK": "0",
+            "REDUCER_WORLD_SIZE": "1", "REDUCER_NODE_LOCAL": "0"}
+    layouts = {}
+    for name, extra in (("fast", {}), ("25", {"REDUCER_LINK_GBIT": "25"}),
+                        ("slow", {"REDUCER_LINK_GBIT": "0.2"}),
+                        ("fixed", {"REDUCER_CHUNK_BYTES": str(1 << 20)})):
+        with ReducerClient.from_env({**base, **extra}) as client:
+            layouts[name] = client._layouts
+            assert client._layout == KeyLayout.for_link(
+                2, client.chunk_bytes if name == "fixed" else None,
+                None if client.link_gbit is None else client.link_gbit * 125e6)
+            sizes = {c.numel for c in client._layout.plan(16 << 20, f16, "k")}
+            assert sizes == {256 << 10 if name == "slow" else 512 << 10}
+    # 25 Gbit/s is more than a daemon sums: the same chunks as a fast network.
+    assert layouts["fast"] == layouts["25"]
+    assert len({tuple(v) for v in layouts.values()}) == 3
 
 
 def test_bad_timeout_is_a_clear_error():

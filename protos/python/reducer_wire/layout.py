@@ -13,13 +13,15 @@ element belongs to exactly one chunk and every chunk to exactly one daemon.
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from dataclasses import dataclass
 
 from reducer_wire import dtypes
 
-__all__ = ["Chunk", "chunk_count", "plan_chunks", "plan_wire_chunks", "layout_fingerprint",
-           "pipelined_chunk_bytes", "DEFAULT_CHUNK_BYTES", "LAYOUT_RULE"]
+__all__ = ["Chunk", "KeyLayout", "chunk_count", "plan_chunks", "plan_wire_chunks",
+           "layout_fingerprint", "pipelined_chunk_bytes", "chunk_cost_bytes", "DEFAULT_CHUNK_BYTES",
+           "CHUNK_COST_BYTES", "DAEMON_BYTES_PER_S", "LAYOUT_RULE"]
 
 # Wire bytes per chunk at most, by default: well under gRPC's 4 MiB message
 # limit; on loopback 512 KiB to 3.5 MiB chunks gave the same daemon CPU per
@@ -33,18 +35,34 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # daemon whose link both takes and answers at the same rate idles for every
 # byte a chunk grows by, so the end is one largest chunk late either way
 # (measured: 1.08x the line-rate bound for both at 64 MiB), and smaller
-# chunks cost CPU per chunk. So: uniform chunks, more of them. With the
-# links kept in step (transport/order.py) 16, 32 and 64 per daemon took
-# 1.15x, 1.08x and 1.08x the bound on the emulated 200 Mbit cluster (N = D =
-# 4, 64 MiB float16); without, 16 took 1.15-1.20x. By default a key gets at
-# least this many chunks per daemon, down to MIN_CHUNK_BYTES (a chunk costs
-# the client about 0.3 ms of CPU here, whatever its size).
+# chunks cost CPU per chunk. So: uniform chunks. With the links kept in step
+# (transport/order.py) 16, 32 and 64 per daemon took 1.15x, 1.08x and 1.08x
+# the bound on the emulated 200 Mbit cluster (N = D = 4, 64 MiB float16):
+# never more than 32 per daemon, and never under MIN_CHUNK_BYTES.
 PIPELINE_CHUNKS_PER_DAEMON = 32
 MIN_CHUNK_BYTES = 64 << 10
+# Each chunk also costs a daemon fixed work (reading the frame, its
+# bookkeeping, a reply per worker): about 88 us of CPU per contribution on
+# an Intel Xeon (family 6 model 167), the time it sums 128 KiB of float16
+# input in (1.45 GB per CPU-second). Both scale with the CPU, so the ratio is
+# the daemon's, not the machine's. With B bytes of a key per daemon and
+# chunks of x bytes, the ends add 2x / B of the transfer and the fixed costs
+# c R / x (c: the fixed cost in seconds, R: the rate the daemon is fed at),
+# least at x = sqrt(c R B / 2): 1 MiB chunks for a 64 MiB float16 key over
+# 2 daemons on a fast network (N = 8 on loopback, where no link's ends are
+# waited for: 512 KiB, 1 MiB and 2 MiB chunks took 280, 250 and 232 ms).
+# The total is flat near its least (2x too large or small: +25 % of a few
+# per cent), so the rate need not be exact. c R is CHUNK_COST_BYTES when the
+# daemon's CPU sets the pace (a link of DAEMON_BYTES_PER_S or more, or no
+# link rate given), less on a slower link, where the fixed cost hides
+# behind the transfer.
+CHUNK_COST_BYTES = 128 << 10
+DAEMON_BYTES_PER_S = 1.5e9
 # Named in the layout fingerprint: a client that cuts keys by another rule
 # (v1: 16 chunks per daemon; v2: every key over every daemon, however small
-# its chunks) is refused by the daemon instead of mixing.
-LAYOUT_RULE = "reducer-layout/v3"
+# its chunks; v3: 32 chunks per daemon whatever the link) is refused by the
+# daemon instead of mixing.
+LAYOUT_RULE = "reducer-layout/v4"
 
 
 @dataclass(frozen=True)
@@ -126,26 +144,80 @@ def plan_wire_chunks(numel: int, dtype: int, num_daemons: int, chunk_bytes: int,
                        key, block)
 
 
+def chunk_cost_bytes(link_bytes_per_s: float | None = None) -> int:
+    """A chunk's fixed cost to its daemon, in bytes of summing (c R above), for
+    workers whose links carry `link_bytes_per_s` each way (None: a fast network)."""
+    if link_bytes_per_s is None:
+        return CHUNK_COST_BYTES
+    if not link_bytes_per_s > 0:
+        raise ValueError(f"the link rate must be > 0 bytes per second, got {link_bytes_per_s}")
+    return max(1, round(CHUNK_COST_BYTES * min(1.0, link_bytes_per_s / DAEMON_BYTES_PER_S)))
+
+
 def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,
-                          max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+                          max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                          cost_bytes: int = CHUNK_COST_BYTES) -> int:
     """The default chunk size for a key of `total_bytes` on the wire.
 
-    Small enough for PIPELINE_CHUNKS_PER_DAEMON chunks per daemon, at least
-    MIN_CHUNK_BYTES, at most max_chunk_bytes; a function of the key's size
-    and the daemon count only, so every worker picks the same.
+    sqrt(cost_bytes x bytes per daemon / 2) (see CHUNK_COST_BYTES; cost_bytes
+    from chunk_cost_bytes(link rate)), but small enough for at most
+    PIPELINE_CHUNKS_PER_DAEMON chunks per daemon, at least MIN_CHUNK_BYTES, at
+    most max_chunk_bytes: a function of the key's size, the daemon count and
+    the link rate only, so every worker that is given the same rate picks the same.
     """
-    wanted = -(-total_bytes // (num_daemons * PIPELINE_CHUNKS_PER_DAEMON))
+    if cost_bytes < 1:
+        raise ValueError(f"cost_bytes must be >= 1, got {cost_bytes}")
+    per_daemon = -(-total_bytes // num_daemons)
+    wanted = max(math.isqrt(cost_bytes * per_daemon // 2),
+                 -(-per_daemon // PIPELINE_CHUNKS_PER_DAEMON))
     return max(min(MIN_CHUNK_BYTES, max_chunk_bytes), min(max_chunk_bytes, wanted))
 
 
-def layout_fingerprint(num_daemons: int, daemon: int, chunk_bytes: int) -> int:
+def layout_fingerprint(num_daemons: int, daemon: int, chunk_bytes: int,
+                       cost_bytes: int | None) -> int:
     """A non-zero 64-bit digest of what fixes the layout as daemon `daemon` sees it.
 
     Workers that agree on the layout rule (LAYOUT_RULE, this module's), the
-    number of daemons, this daemon's place in the list and the chunk size send
-    the same value; any disagreement would make their chunks miss each other,
-    so the daemon refuses it (Shard.layout). Addresses themselves are left
-    out: one worker may name a daemon by IP and another by host name.
+    number of daemons, this daemon's place in the list, the chunk size and
+    how keys get theirs (cost_bytes: pipelined_chunk_bytes' with the link's
+    chunk_cost_bytes; None: every key cut at chunk_bytes) send the same value;
+    any disagreement would make their chunks miss each other, so the daemon
+    refuses it (Shard.layout). Addresses themselves are left out: one worker
+    may name a daemon by IP and another by host name.
     """
-    text = f"{LAYOUT_RULE} {num_daemons} {daemon} {chunk_bytes}".encode()
+    sizing = "fixed" if cost_bytes is None else f"cost={cost_bytes}"
+    text = f"{LAYOUT_RULE} {num_daemons} {daemon} {chunk_bytes} {sizing}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How a client cuts every key over `num_daemons`: with `cost_bytes`
+    (chunk_cost_bytes of its link), chunks sized by pipelined_chunk_bytes, at
+    most `chunk_bytes`; with cost_bytes None, chunks of `chunk_bytes` for every key."""
+
+    num_daemons: int
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    cost_bytes: int | None = CHUNK_COST_BYTES
+
+    @classmethod
+    def for_link(cls, num_daemons: int, chunk_bytes: int | None = None,
+                 link_bytes_per_s: float | None = None) -> KeyLayout:
+        """A client's layout: chunk_bytes if given, else sized for its link (None: fast)."""
+        if chunk_bytes is not None:
+            return cls(num_daemons, chunk_bytes, None)
+        return cls(num_daemons, DEFAULT_CHUNK_BYTES, chunk_cost_bytes(link_bytes_per_s))
+
+    def chunk_bytes_of(self, numel: int, dtype: int) -> int:
+        """The chunk size of a key of `numel` elements on wire dtype `dtype`."""
+        if self.cost_bytes is None:
+            return self.chunk_bytes
+        return pipelined_chunk_bytes(dtypes.wire_nbytes(dtype, numel), self.num_daemons,
+                                     self.chunk_bytes, self.cost_bytes)
+
+    def plan(self, numel: int, dtype: int, key: str = "") -> list[Chunk]:
+        return plan_wire_chunks(numel, dtype, self.num_daemons,
+                                self.chunk_bytes_of(numel, dtype), key)
+
+    def fingerprint(self, daemon: int) -> int:
+        return layout_fingerprint(self.num_daemons, daemon, self.chunk_bytes, self.cost_bytes)

@@ -100,7 +100,7 @@ def _reducer(spec: dict[str, Any]) -> TimedReducer:
     return TimedReducer(ReducerClient(
         addresses=spec["addresses"], job=spec["job"], rank=spec["rank"],
         world_size=spec["world_size"], wire_dtype=spec["wire_dtype"],
-        timeout=spec["stall_timeout_s"]))
+        timeout=spec["stall_timeout_s"], link_gbit=spec.get("link_gbit")))
 
 
 class DDPTrainer(Trainer):
