@@ -22,12 +22,13 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from reducer_wire.dtypes import WIRE_DTYPES, wire_block, wire_nbytes
 
-from reducerd.plan.capacity import ClusterSpec, plan_reducerd, plan_ring
+from reducerd.plan.capacity import ClusterSpec, chunk_of, chunk_work, plan_reducerd, plan_ring
 
 # The planner's daemon rate when a run reports none (CPU never bounds these runs).
 FALLBACK_RATE_GBPS = 1.2
@@ -62,6 +63,10 @@ def projection(config: dict[str, Any], size_bytes: int, system: str) -> float:
         daemons=config["daemons"], chunk_bytes=config.get("chunk_bytes"),
         # netem's delay sits on both links a message crosses.
         latency_s=2 * config.get("emulate_delay_s", 0.0), mtu=config.get("emulate_mtu", 9000))
+    # The run's figure counts its chunks' fixed costs in; the planner's rate is
+    # the bytes' alone (it adds them back, w = 1 + K / C).
+    spec = replace(spec, daemon_rate_Bps_per_core=spec.daemon_rate_Bps_per_core
+                   * chunk_work(chunk_of(spec, config["daemons"])))
     return plan_reducerd(spec).time_s if system == "reducerd" else plan_ring(spec).time_s
 
 

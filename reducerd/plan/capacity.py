@@ -9,8 +9,11 @@ Symbols (docs/scaling.md derives each line):
     r  what one core sums: wire input bytes per CPU-second (reducerd's own
        figure, `reducerd bench` prints it: 1.20-1.28 GB/s of float16 on the
        project's 2-core loopback runs)
-    C  chunk bytes on the wire (the client's default: M / (32 D), clamped to
-       [64 KiB, 1 MiB])
+    C  chunk bytes on the wire (the client's default for M, D and Rw:
+       reducer_wire.layout.pipelined_chunk_bytes), the mean of the layout's
+    K  a chunk's fixed cost to its daemon (reading it, its bookkeeping, its
+       replies) in bytes of summing: reducer_wire.layout.CHUNK_COST_BYTES,
+       128 KiB; each byte a daemon takes costs it w = 1 + K / C bytes of work
     e  the payload's share of the link: (MTU - 52) / (MTU + 38), TCP/IP
        headers and Ethernet framing (0.990 at MTU 9000)
     a  one-way latency per message hop
@@ -19,13 +22,14 @@ reducerd (node-local aggregation first, so a node sends the model once):
 
     worker link, each way:   M
     daemon link, each way:   N M / D
-    daemon CPU per step:     N M / (D c r) seconds on each daemon
-    time = max(M / Rw, N M / (D Rd)) / e  max  N M / (D c r)
+    daemon CPU per step:     N M w / (D c r) seconds on each daemon
+    time = max(M / Rw, N M / (D Rd)) / e  max  N M w / (D c r)
            + 2 C max(D / Rw, N / Rd)       (pipeline fill and drain)
            + 2 a
     daemons to keep the workers' links full: the smallest D whose daemon
-    link and CPU terms are at most the worker link's, D >= N Rw / min(Rd, c r / e);
-    summing cores for that, in all: N Rw e / r.
+    link and CPU terms are at most the worker link's, D >= N Rw / min(Rd, c r / (e w))
+    (w depends on D through C: the least D that satisfies it);
+    summing cores for that, in all: N Rw e w / r.
 
 Fill and drain: a daemon answers a chunk only once all N workers sent it,
 so nothing comes back before the first chunk is in, and the last result
@@ -49,6 +53,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from reducer_wire.layout import (
+    CHUNK_COST_BYTES,
     MIN_CHUNK_BYTES,
     chunk_cost_bytes,
     chunk_count,
@@ -57,6 +62,7 @@ from reducer_wire.layout import (
 
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
            "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
+           "chunk_of", "chunk_work",
            "link_efficiency",
            "efficiency",
            "MIN_CHUNK_BYTES"]
@@ -135,6 +141,7 @@ class ReducerdPlan:
     daemon_link_bytes: float  # each way, per step, on every daemon's link
     daemon_input_bytes: float  # summed by each daemon per step
     daemon_cpu_s: float  # CPU-seconds per step on each daemon
+    daemon_work_per_byte: float  # w: 1 + K / C, each chunk's fixed cost counted in
     total_cpu_s: float  # over all daemons
     cores_to_fill_links: float  # summing cores that keep every worker link full
     worker_link_s: float
@@ -182,24 +189,48 @@ def layout_chunk_bytes(model_bytes: int, daemons: int, chunk_bytes: int,
                                      block)
 
 
-def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int) -> int:
-    """Summing cores that keep one daemon link full: ceil(Rd e / r)."""
-    return max(1, math.ceil(daemon_link_Bps * link_efficiency(mtu) / rate_Bps_per_core - 1e-9))
+def cores_to_fill_link(daemon_link_Bps: float, rate_Bps_per_core: float, mtu: int,
+                       work: float = 1.0) -> int:
+    """Summing cores that keep one daemon link full: ceil(Rd e w / r)."""
+    return max(1, math.ceil(daemon_link_Bps * link_efficiency(mtu) * work / rate_Bps_per_core
+                            - 1e-9))
+
+
+def chunk_of(spec: ClusterSpec, daemons: int) -> float:
+    """The mean chunk of the model's layout over `daemons` (C)."""
+    m = spec.model_bytes
+    return layout_chunk_bytes(m, daemons,
+                              spec.chunk_bytes or default_chunk_bytes(m, daemons, spec.link_Bps),
+                              spec.wire_itemsize, spec.wire_block)
+
+
+def chunk_work(chunk_bytes: float) -> float:
+    """w: a daemon's work per byte taken, each chunk's fixed cost counted in."""
+    return 1 + CHUNK_COST_BYTES / chunk_bytes
 
 
 def daemons_needed(spec: ClusterSpec) -> int:
     """The fewest daemons whose links and cores keep every worker link full.
 
-    A daemon's link carries N M / D each way and its cores sum N M / D per
-    step: both must take no longer than a worker link's M / Rw, so
-    D >= N Rw / Rd and D >= N Rw e / (c r) (the CPU figure is payload, the
-    links lose e to headers).
+    A daemon's link carries N M / D each way and its cores do N M w / D of
+    work per step: both must take no longer than a worker link's M / Rw, so
+    D >= N Rw / Rd and D >= N Rw e w / (c r) (the CPU figure is payload, the
+    links lose e to headers). w grows with D (more daemons, smaller chunks),
+    not always smoothly (a chunk count rounded to a multiple of D), so D is
+    searched upwards from what w = 1 would need.
     """
     e = link_efficiency(spec.mtu)
-    per_daemon_Bps = min(spec.daemon_link_Bps, spec.daemon_cores * spec.daemon_rate_Bps_per_core
-                         / e)
-    # Rounding guard: 256 x 12.5e9 / 12.5e9 must be 256, not 257.
-    return max(1, math.ceil(spec.nodes * spec.link_Bps / per_daemon_Bps - 1e-9))
+
+    def needed(work: float) -> int:
+        per_daemon_Bps = min(spec.daemon_link_Bps,
+                             spec.daemon_cores * spec.daemon_rate_Bps_per_core / (e * work))
+        # Rounding guard: 256 x 12.5e9 / 12.5e9 must be 256, not 257.
+        return max(1, math.ceil(spec.nodes * spec.link_Bps / per_daemon_Bps - 1e-9))
+
+    d = needed(1.0)
+    while needed(chunk_work(chunk_of(spec, d))) > d:
+        d += 1
+    return d
 
 
 def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
@@ -209,10 +240,10 @@ def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
     d = spec.daemons or needed
     n, m = spec.nodes, spec.model_bytes
     e = link_efficiency(spec.mtu)
-    chunk = layout_chunk_bytes(m, d, spec.chunk_bytes or default_chunk_bytes(m, d, spec.link_Bps),
-                               spec.wire_itemsize, spec.wire_block)
+    chunk = chunk_of(spec, d)
+    work = chunk_work(chunk)
     daemon_bytes = n * m / d
-    cpu_s = daemon_bytes / spec.daemon_rate_Bps_per_core
+    cpu_s = daemon_bytes * work / spec.daemon_rate_Bps_per_core
     terms = {"worker link": m / (spec.link_Bps * e),
              "daemon link": daemon_bytes / (spec.daemon_link_Bps * e),
              "daemon CPU": cpu_s / spec.daemon_cores}
@@ -222,8 +253,9 @@ def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
     return ReducerdPlan(
         daemons=d, daemons_needed=needed, chunk_bytes=chunk,
         worker_link_bytes=float(m), daemon_link_bytes=daemon_bytes,
-        daemon_input_bytes=daemon_bytes, daemon_cpu_s=cpu_s, total_cpu_s=cpu_s * d,
-        cores_to_fill_links=n * spec.link_Bps * e / spec.daemon_rate_Bps_per_core,
+        daemon_input_bytes=daemon_bytes, daemon_cpu_s=cpu_s, daemon_work_per_byte=work,
+        total_cpu_s=cpu_s * d,
+        cores_to_fill_links=n * spec.link_Bps * e * work / spec.daemon_rate_Bps_per_core,
         worker_link_s=terms["worker link"], daemon_link_s=terms["daemon link"],
         daemon_cpu_wall_s=terms["daemon CPU"], pipeline_s=pipeline_s, latency_s=latency_s,
         time_s=terms[bottleneck] + pipeline_s + latency_s, bottleneck=bottleneck)

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from reducer_wire.dtypes import WIRE_DTYPES, wire_block, wire_nbytes
 
 from reducerd.plan.capacity import (
     ClusterSpec,
+    chunk_of,
+    chunk_work,
     cores_to_fill_link,
     efficiency,
     link_efficiency,
@@ -126,15 +129,15 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"{flag} must be > 0 and finite, got {value}")
     if not 0 <= args.overlap <= 1:
         raise UsageError(f"--overlap must be in [0, 1], got {args.overlap}")
-    cores = _cores(args.daemon_cores, daemon_link, args.daemon_rate * 1e9, args.mtu)
     dtype = WIRE_DTYPES[args.wire_dtype]
     spec = ClusterSpec(
         params=model.params, wire_bytes_per_param=wire_nbytes(dtype, model.params) / model.params,
         wire_block=wire_block(dtype), wire_block_bytes=wire_nbytes(dtype, wire_block(dtype)),
         nodes=args.workers, gpus_per_node=args.gpus_per_node, link_Bps=link,
         daemon_link_Bps=daemon_link, daemon_rate_Bps_per_core=args.daemon_rate * 1e9,
-        daemon_cores=cores, daemons=args.daemons, chunk_bytes=args.chunk_bytes,
+        daemons=args.daemons, chunk_bytes=args.chunk_bytes,
         latency_s=_parsed("--latency", parse_time, args.latency), mtu=args.mtu)
+    spec = replace(spec, daemon_cores=_cores(args.daemon_cores, spec))
     try:
         ours, ring = plan_reducerd(spec), plan_ring(spec)
     except ValueError as exc:
@@ -163,9 +166,17 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return plan
 
 
-def _cores(text: Any, daemon_link_Bps: float, rate_Bps: float, mtu: int) -> int:
+def _cores(text: Any, spec: ClusterSpec) -> int:
+    """--daemon-cores; 'fill': what keeps a daemon link full at the chunks of
+    the daemons the links alone need (--daemons, else N Rw / Rd)."""
     if str(text).strip().lower() == "fill":
-        return cores_to_fill_link(daemon_link_Bps, rate_Bps, mtu) if mtu >= 576 else 1
+        if spec.mtu < 576 or not spec.daemon_rate_Bps_per_core > 0:
+            return 1  # check() names the bad input
+        daemons = spec.daemons or max(1, math.ceil(
+            spec.nodes * spec.link_Bps / spec.daemon_link_Bps - 1e-9))
+        work = chunk_work(chunk_of(spec, daemons))
+        return cores_to_fill_link(spec.daemon_link_Bps, spec.daemon_rate_Bps_per_core,
+                                  spec.mtu, work)
     try:
         return int(text)
     except ValueError:

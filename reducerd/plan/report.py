@@ -31,7 +31,7 @@ def _reducerd(i: dict[str, Any], r: dict[str, Any]) -> list[str]:
     given = i["daemons"] is not None
     needed = (f"{r['daemons_needed']} keep the workers' links full" if given
               else "the fewest that keep the workers' links full")
-    cores_per_link = i["daemon_link_Bps"] * i["link_efficiency"] / (
+    cores_per_link = i["daemon_link_Bps"] * i["link_efficiency"] * r["daemon_work_per_byte"] / (
         i["daemon_rate_GBps_per_core"] * 1e9)
     terms = (("worker link", r["worker_link_s"]), ("daemon link", r["daemon_link_s"]),
              ("daemon CPU", r["daemon_cpu_wall_s"]))
@@ -40,7 +40,8 @@ def _reducerd(i: dict[str, Any], r: dict[str, Any]) -> list[str]:
         f"  bytes per step, each way: {format_bytes(r['worker_link_bytes'])} on each worker "
         f"link, {format_bytes(r['daemon_link_bytes'])} on each daemon link",
         f"  summing per step: {r['daemon_cpu_s']:.3g} CPU-s on each daemon, "
-        f"{r['total_cpu_s']:.4g} CPU-s in all",
+        f"{r['total_cpu_s']:.4g} CPU-s in all (each byte taken costs "
+        f"{r['daemon_work_per_byte']:.3g}x its summing: the chunks' fixed costs)",
         f"  to keep every worker link full: {_int(-(-r['cores_to_fill_links'] // 1))} summing "
         f"cores in all, {cores_per_link:.3g} per {format_rate(i['daemon_link_Bps'])} "
         "daemon link",

@@ -84,14 +84,16 @@ def test_ring_inside_one_node_uses_no_link_and_latency_counts_per_step():
 
 # -- daemons needed ---------------------------------------------------------
 
+def _keeps_up(plan) -> bool:
+    return max(plan.daemon_link_s, plan.daemon_cpu_wall_s) <= plan.worker_link_s * (1 + 1e-12)
+
+
 @pytest.mark.parametrize(("daemon_link", "rate", "cores", "needed"), [
     (GBPS, 1e12, 1, 8),  # equal links: one daemon per node
     (2 * GBPS, 1e12, 1, 4),  # faster daemon links: fewer
     (4 * GBPS, 1e12, 1, 2),
     (0.5 * GBPS, 1e12, 1, 16),
-    (GBPS, 0.5 * GBPS * E, 1, 16),  # a core sums half a link's payload: CPU bound
-    (GBPS, 0.5 * GBPS * E, 4, 8),  # four cores per daemon: the link bounds again
-    (4 * GBPS, 0.5 * GBPS * E, 4, 4),
+    (GBPS, 0.5 * GBPS * E, 16, 8),  # CPU to spare: the link bounds
 ])
 def test_daemons_needed_to_keep_worker_links_full(daemon_link, rate, cores, needed):
     s = spec(nodes=8, daemon_link=daemon_link, rate=rate, cores=cores)
@@ -103,6 +105,30 @@ def test_daemons_needed_to_keep_worker_links_full(daemon_link, rate, cores, need
     fewer = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": needed - 1}))
     assert fewer.bottleneck in ("daemon link", "daemon CPU")
     assert max(fewer.daemon_link_s, fewer.daemon_cpu_wall_s) > plan.worker_link_s
+
+
+@pytest.mark.parametrize(("daemon_link", "cores", "bytes_alone"), [
+    (GBPS, 1, 16),  # a core sums half a link's payload: CPU bound
+    (GBPS, 4, 8),  # four cores per daemon: the bytes alone would let the link bound
+    (4 * GBPS, 4, 4),
+])
+def test_cpu_bound_daemons_needed_count_each_chunks_fixed_cost(daemon_link, cores, bytes_alone):
+    """A core sums half a link's payload; each chunk a daemon takes also costs it
+    reducer_wire.layout.CHUNK_COST_BYTES of work (w = 1 + K / C), so more
+    daemons are needed than the bytes alone (w = 1) would ask, and the count
+    is the fewest that keep up (every smaller one checked)."""
+    from reducer_wire.layout import CHUNK_COST_BYTES
+
+    s = spec(nodes=8, daemon_link=daemon_link, rate=0.5 * GBPS * E, cores=cores)
+    needed = daemons_needed(s)
+    plan = plan_reducerd(s)
+    assert plan.daemons == needed > bytes_alone
+    assert _keeps_up(plan)
+    assert not any(_keeps_up(plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": d})))
+                   for d in range(1, needed))
+    assert plan.daemon_work_per_byte == pytest.approx(1 + CHUNK_COST_BYTES / plan.chunk_bytes)
+    assert plan.daemon_cpu_s == pytest.approx(8 * M / needed * plan.daemon_work_per_byte
+                                              / (0.5 * GBPS * E))
 
 
 def test_bottleneck_and_time_per_step_worked_example():
@@ -124,21 +150,36 @@ def test_bottleneck_and_time_per_step_worked_example():
     assert two.time_s == pytest.approx(two.daemon_link_s + two.pipeline_s)
     slow = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemon_rate_Bps_per_core": 10e6}))
     assert slow.bottleneck == "daemon CPU"
-    assert slow.daemon_cpu_s == pytest.approx((8 << 20) / 10e6)
+    # Each 64 KiB chunk also costs the work of 128 KiB: w = 3.
+    assert slow.daemon_work_per_byte == 3
+    assert slow.daemon_cpu_s == pytest.approx(3 * (8 << 20) / 10e6)
 
 
-def test_bert_large_cluster_needs_256_daemon_links_of_11_cores():
+def test_bert_large_cluster_needs_256_daemon_links_of_14_cores():
     """The issue's figure: 256 nodes x 672 MB at 1.2 GB per CPU-second is about
-    145 CPU-seconds of summing per step."""
+    145 CPU-seconds of summing the bytes per step; the chunks' fixed costs
+    (375 kB chunks, each costing the work of 128 KiB more) make it 1.35x that,
+    14 cores per 100 Gbit/s daemon link instead of 11."""
     plan = plan_from_argv(["--preset", "bert-large-256"])
     ours = plan["reducerd"]
     assert plan["inputs"]["model_bytes"] == 672_452_216
-    assert ours["daemons"] == 256 and plan["inputs"]["daemon_cores"] == 11
-    assert ours["total_cpu_s"] == pytest.approx(256 * 672_452_216 / 1.2e9)
-    assert ours["cores_to_fill_links"] == pytest.approx(256 * 12.5e9 * E / 1.2e9)
+    # sqrt(128 KiB x M / 256 / 2) = 414,898 bytes at most: 1,621 chunks, 7 per daemon.
+    assert ours["chunk_bytes"] == pytest.approx(672_452_216 / (7 * 256))
+    w = 1 + (128 << 10) / ours["chunk_bytes"]
+    assert ours["daemon_work_per_byte"] == pytest.approx(w) and 1.34 < w < 1.36
+    assert ours["daemons"] == 256 and plan["inputs"]["daemon_cores"] == 14  # ceil(10.3 w)
+    assert ours["total_cpu_s"] == pytest.approx(256 * 672_452_216 * w / 1.2e9)
+    assert ours["cores_to_fill_links"] == pytest.approx(256 * 12.5e9 * E * w / 1.2e9)
     assert plan["ring"]["worker_link_bytes"] == pytest.approx(2 * 2047 / 2048 * 672_452_216)
+    # One core per daemon: 2,641 daemons for the bytes alone, but their chunks
+    # would be 64 KiB or less (w >= 3): the fewest that keep up are far more.
     one_core = plan_from_argv(["--preset", "bert-large-256", "--daemon-cores", "1"])
-    assert one_core["reducerd"]["daemons"] == 2641  # 256 x 12.5e9 e / 1.2e9, rounded up
+    daemons = one_core["reducerd"]["daemons"]
+    assert daemons > 3 * 2641
+    for fewer in (2641, 5000, 7923, daemons - 1):
+        below = plan_from_argv(["--preset", "bert-large-256", "--daemon-cores", "1",
+                                "--daemons", str(fewer)])["reducerd"]
+        assert below["bottleneck"] != "worker link", fewer
 
 
 def test_the_planners_chunks_are_the_layout_rules():
@@ -259,12 +300,13 @@ def test_missing_required_flags(capsys):
 
 def test_output_and_json_carry_the_same_figures(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main([*BASE, "--daemons", "2", "--compute-time", "0.01", "--steps", "100",
-                 "--json", str(out)]) == 0
+    assert main([*BASE, "--daemons", "2", "--daemon-cores", "2", "--compute-time", "0.01",
+                 "--steps", "100", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     plan = json.loads(out.read_text())
-    assert plan == plan_from_argv([*BASE, "--daemons", "2", "--compute-time", "0.01",
-                                   "--steps", "100", "--json", str(out)])
+    assert plan == plan_from_argv([*BASE, "--daemons", "2", "--daemon-cores", "2",
+                                   "--compute-time", "0.01", "--steps", "100",
+                                   "--json", str(out)])
     assert plan["inputs"]["ranks"] == 32 and plan["reducerd"]["daemons"] == 2
     assert plan["reducerd"]["daemon_link_bytes"] == 4e6  # 4 nodes x 2 MB / 2
     assert plan["reducerd"]["bottleneck"] == "daemon link"
