@@ -173,13 +173,17 @@ class ThreadOutbox(_Counted):
         # The writer thread took an item and has not said it is sent: no
         # direct send may overtake or interleave with it.
         self._writing = False
-        # _lock guards _items, _head, _writing, the counts and _waiting; the
-        # loop, writer and reader threads take it. Held without the
-        # Condition's Python wrapper where nobody waits, and notified only
-        # while someone does (every frame passes here several times).
+        # _lock guards _items, _head, _writing, the counts and the waiter
+        # counts; the loop, writer and reader threads take it. Held without a
+        # Condition's Python wrapper where nobody waits, and each Condition
+        # notified only while its own waiter waits (every frame passes here
+        # several times: a writer idle in take() woken for each frame the loop
+        # took cost a futex wake and a thread switch per frame).
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
-        self._waiting = 0  # threads in take() or wait_below()
+        self._item_ready = threading.Condition(self._lock)  # the writer, in take()
+        self._room = threading.Condition(self._lock)  # the reader, in wait_below()
+        self._taking = 0
+        self._waiting_room = 0
         # Bytes of frames the reader handed to the loop that the loop has not
         # taken yet: each may bring a reply of about its size, which
         # wait_below counts (else a lagging loop lets the reader in for
@@ -201,8 +205,8 @@ class ThreadOutbox(_Counted):
             if self._start_writer is not None:
                 start, self._start_writer = self._start_writer, None
                 start()
-            elif self._waiting:
-                self._cond.notify_all()
+            elif self._taking:
+                self._item_ready.notify()
 
     def _can_send_directly(self, item: Any) -> bool:
         return (not self._writing and self._head is None
@@ -215,11 +219,11 @@ class ThreadOutbox(_Counted):
         nothing is sent directly."""
         with self._lock:
             while self._head is None and not self._items:
-                self._waiting += 1
+                self._taking += 1
                 try:
-                    self._cond.wait()
+                    self._item_ready.wait()
                 finally:
-                    self._waiting -= 1
+                    self._taking -= 1
             self._writing = True
             if self._head is not None:
                 head, self._head = self._head, None
@@ -230,8 +234,8 @@ class ThreadOutbox(_Counted):
         with self._lock:
             self._writing = False
             self._uncount(item)
-            if self._waiting:
-                self._cond.notify_all()
+            if self._waiting_room:
+                self._room.notify_all()
 
     def _queued(self) -> int:
         return len(self._items) + (self._head is not None)
@@ -245,8 +249,8 @@ class ThreadOutbox(_Counted):
         """The loop took that frame (a reply it answered at once is counted by now)."""
         with self._lock:
             self._promised -= nbytes
-            if self._waiting:
-                self._cond.notify_all()
+            if self._waiting_room:
+                self._room.notify_all()
 
     def wait_below(self, frames: int, nbytes: int, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until fewer than `frames` items and `nbytes`
@@ -257,13 +261,14 @@ class ThreadOutbox(_Counted):
         with self._lock:
             if below():
                 return True
-            self._waiting += 1
+            self._waiting_room += 1
             try:
-                return self._cond.wait_for(below, timeout_s)
+                return self._room.wait_for(below, timeout_s)
             finally:
-                self._waiting -= 1
+                self._waiting_room -= 1
 
     def discard(self) -> None:
         with self._lock:
             self._uncount_all()
-            self._cond.notify_all()
+            self._item_ready.notify_all()
+            self._room.notify_all()

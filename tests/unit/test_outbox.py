@@ -143,3 +143,52 @@ def test_the_writer_starts_only_once_something_waits_for_it():
         outbox.put_nowait(END)
         outbox.put_nowait(_reply(b"g", 100))  # queued behind the end: no second start
         assert starts == [1] and outbox.take() == (END, 0)
+
+
+def _voluntary_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+def test_an_idle_writer_sleeps_through_the_frames_the_loop_takes():
+    """promise/kept run for every frame; a writer waiting in take() for a reply
+    is woken by a reply, not by each frame the loop took (which cost a futex
+    wake and a thread switch per frame), and a reader waiting for room is still
+    woken by them."""
+    outbox = ThreadOutbox()
+    ids: list[int] = []
+    taken: list[object] = []
+
+    def writer() -> None:
+        ids.append(threading.get_native_id())
+        taken.append(outbox.take()[0])
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not ids and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)  # in take(), waiting
+    before = _voluntary_switches(ids[0])
+    for _ in range(500):
+        outbox.promise(1 << 20)
+        outbox.kept(1 << 20)
+        time.sleep(0)  # let a woken writer run
+    assert _voluntary_switches(ids[0]) - before < 20  # about 500 when every kept woke it
+    outbox.put_nowait(b"reply")
+    thread.join(5)
+    assert taken == [b"reply"]
+    # A reader waiting for room is woken when the loop takes the frame it promised.
+    outbox.promise(10 << 20)
+    room: list[bool] = []
+    reader = threading.Thread(target=lambda: room.append(outbox.wait_below(64, 8 << 20, 5.0)))
+    reader.start()
+    time.sleep(0.05)
+    assert not room
+    started = time.monotonic()
+    outbox.kept(10 << 20)
+    reader.join(5)
+    assert room == [True] and time.monotonic() - started < 1.0
