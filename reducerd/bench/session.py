@@ -103,7 +103,9 @@ class BenchSession:
                 self.console.print(f"removed leftover namespace {name}")
             # Set before create(), so that a half-built cluster is removed too.
             self.cluster = netns.Cluster(rate, rate_bytes_per_s, nodes, daemons, delay_s, mtu)
-            self.console.print(f"emulated cluster: {described}, links {rate} each way")
+            self.console.print(f"emulated cluster: {described}, links {rate} each way; "
+                               f"reducerd's clients size their chunks for them "
+                               f"(link_gbit={rate_bytes_per_s * 8e-9:g})")
             self.cluster.create()
         except netns.NetnsError as exc:
             raise BenchError(str(exc)) from None
