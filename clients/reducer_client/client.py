@@ -22,7 +22,7 @@ import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import MAX_NAME_CHARS, ShardEncoder
-from reducer_wire.layout import DEFAULT_CHUNK_BYTES, Chunk, KeyLayout
+from reducer_wire.layout import Chunk, KeyLayout
 
 from reducer_client.env import (
     DEFAULT_TIMEOUT_S,
@@ -112,7 +112,6 @@ class ReducerClient:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
-        self.chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
         self.link_gbit = link_gbit_from_env(environ) if link_gbit is None else link_gbit
         self._layout = KeyLayout.for_link(len(self.addresses), chunk_bytes, None
                                           if self.link_gbit is None else self.link_gbit * 125e6)
@@ -176,6 +175,11 @@ class ReducerClient:
         settings = settings_from_env(environ)
         settings.update(overrides)
         return cls(**settings, environ=environ)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """chunk_bytes as given, else the ceiling of the chunks sized for the link."""
+        return self._layout.chunk_bytes
 
     @property
     def transports(self) -> list[str | None]:

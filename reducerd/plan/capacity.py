@@ -62,7 +62,7 @@ from reducer_wire.layout import (
 
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
            "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
-           "chunk_of", "chunk_work",
+           "chunk_of", "chunk_work", "daemons_for",
            "link_efficiency",
            "efficiency",
            "MIN_CHUNK_BYTES"]
@@ -209,6 +209,12 @@ def chunk_work(chunk_bytes: float) -> float:
     return 1 + CHUNK_COST_BYTES / chunk_bytes
 
 
+def daemons_for(spec: ClusterSpec, per_daemon_Bps: float) -> int:
+    """Daemons that take the workers' N Rw when each takes `per_daemon_Bps`."""
+    # Rounding guard: 256 x 12.5e9 / 12.5e9 must be 256, not 257.
+    return max(1, math.ceil(spec.nodes * spec.link_Bps / per_daemon_Bps - 1e-9))
+
+
 def daemons_needed(spec: ClusterSpec) -> int:
     """The fewest daemons whose links and cores keep every worker link full.
 
@@ -222,10 +228,8 @@ def daemons_needed(spec: ClusterSpec) -> int:
     e = link_efficiency(spec.mtu)
 
     def needed(work: float) -> int:
-        per_daemon_Bps = min(spec.daemon_link_Bps,
-                             spec.daemon_cores * spec.daemon_rate_Bps_per_core / (e * work))
-        # Rounding guard: 256 x 12.5e9 / 12.5e9 must be 256, not 257.
-        return max(1, math.ceil(spec.nodes * spec.link_Bps / per_daemon_Bps - 1e-9))
+        return daemons_for(spec, min(spec.daemon_link_Bps, spec.daemon_cores
+                                     * spec.daemon_rate_Bps_per_core / (e * work)))
 
     d = needed(1.0)
     while needed(chunk_work(chunk_of(spec, d))) > d:

@@ -17,6 +17,7 @@ from reducerd.plan.capacity import (
     chunk_of,
     chunk_work,
     cores_to_fill_link,
+    daemons_for,
     efficiency,
     link_efficiency,
     plan_reducerd,
@@ -172,8 +173,7 @@ def _cores(text: Any, spec: ClusterSpec) -> int:
     if str(text).strip().lower() == "fill":
         if spec.mtu < 576 or not spec.daemon_rate_Bps_per_core > 0:
             return 1  # check() names the bad input
-        daemons = spec.daemons or max(1, math.ceil(
-            spec.nodes * spec.link_Bps / spec.daemon_link_Bps - 1e-9))
+        daemons = spec.daemons or daemons_for(spec, spec.daemon_link_Bps)
         work = chunk_work(chunk_of(spec, daemons))
         return cores_to_fill_link(spec.daemon_link_Bps, spec.daemon_rate_Bps_per_core,
                                   spec.mtu, work)
