@@ -1,6 +1,7 @@
 """The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
 C), reducer_wire._quant (the 8-bit wire formats in C) and reducer_wire._codec
-(the Shard header parse).
+(the Shard header parse), and the daemon's reducerd._sumpool (its summing
+threads in C, over the kernels' C API, reducer_wire/_api.h).
 
 Everything else is declared in pyproject.toml. The extensions are optional:
 where no C compiler is at hand the build goes on without them and
@@ -12,11 +13,16 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("reducer_wire._kernels", ["protos/python/reducer_wire/_kernels.c"],
-              depends=["protos/python/reducer_wire/_fpmode.h"],
+              depends=["protos/python/reducer_wire/_fpmode.h",
+                       "protos/python/reducer_wire/_api.h"],
               extra_compile_args=["-O3"], optional=True),
     Extension("reducer_wire._quant", ["protos/python/reducer_wire/_quant.c"],
-              depends=["protos/python/reducer_wire/_fpmode.h"],
+              depends=["protos/python/reducer_wire/_fpmode.h",
+                       "protos/python/reducer_wire/_api.h"],
               extra_compile_args=["-O3"], libraries=["m"], optional=True),
+    Extension("reducerd._sumpool", ["reducerd/_sumpool.c"],
+              depends=["protos/python/reducer_wire/_api.h"],
+              extra_compile_args=["-O3"], optional=True),
     Extension("reducer_wire._codec", ["protos/python/reducer_wire/_codec.c"],
               extra_compile_args=["-O2"], optional=True),
 ])

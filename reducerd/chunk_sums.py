@@ -37,8 +37,9 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import accumulate
 from reducerd.chunks import ChunkId, Contribution, Delivery, OpenChunk
-from reducerd.replies import Reply, result_reply
+from reducerd.replies import Reply, empty_result_reply, result_reply
 from reducerd.summing import PoolClosed, SummingPool
+from reducerd.summing_c import ADD, COPY, CSummingPool
 
 if TYPE_CHECKING:
     from reducerd.reduction import ReductionTable
@@ -71,10 +72,11 @@ class ChunkSums:
     None: the result once more; or the error to send it instead).
     """
 
-    __slots__ = ("cid", "chunk", "partition", "fault", "cancelled", "ended", "resends")
+    __slots__ = ("cid", "chunk", "partition", "in_c", "fault", "cancelled", "ended", "resends")
 
-    def __init__(self, cid: ChunkId, chunk: OpenChunk, partition: int) -> None:
+    def __init__(self, cid: ChunkId, chunk: OpenChunk, partition: int, in_c: bool) -> None:
         self.cid, self.chunk, self.partition = cid, chunk, partition
+        self.in_c = in_c  # its tasks are the C pool's sums (CSummingPool), not Python calls
         self.fault: BaseException | None = None
         self.cancelled = False
         self.ended = False
@@ -84,8 +86,9 @@ class ChunkSums:
 class PooledSums:
     """The table's side of the pool: loop-thread calls queue tasks on the chunk's partition."""
 
-    def __init__(self, pool: SummingPool, table: ReductionTable) -> None:
+    def __init__(self, pool: SummingPool | CSummingPool, table: ReductionTable) -> None:
         self.pool = pool
+        self._c_pool = pool if isinstance(pool, CSummingPool) else None
         self.table = table
         self.budget = table.budget
 
@@ -99,22 +102,26 @@ class PooledSums:
 
     def open(self, cid: ChunkId, chunk: OpenChunk, part: Contribution) -> None:
         """Queue the chunk's first contribution (copied into its accumulator)."""
-        sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition())
+        in_c = self._c_pool is not None and self._c_pool.sums_in_c(part.dtype)
+        sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition(), in_c)
         try:
-            self._queue(sums, self._copy, part)
+            self._queue(sums, self._copy, part, COPY)
         except BaseException:
             chunk.sums = None  # nothing queued: the table gives the room back
             raise
 
     def add(self, chunk: OpenChunk, part: Contribution) -> None:
-        self._queue(chunk.sums, self._add, part)
+        self._queue(chunk.sums, self._add, part, ADD)
 
     def finish(self, chunk: OpenChunk) -> None:
         """Queue the finish behind the adds; it posts the result to land_result."""
         sums: ChunkSums = chunk.sums
         sums.ended = True
         try:
-            self.pool.submit(sums.partition, self._finish, sums)
+            if sums.in_c:
+                self._finish_in_c(sums)
+            else:
+                self.pool.submit(sums.partition, self._finish, sums)
         except BaseException:
             sums.ended = False  # not queued: release() must still give the room back
             raise
@@ -151,21 +158,47 @@ class PooledSums:
             return
         sums.ended = True
         try:
-            self.pool.submit(sums.partition, self._discard, sums)
+            if self._c_pool is not None and sums.in_c:
+                self._c_pool.submit_mark(sums.partition, (self.budget.give_accumulator,
+                                                          chunk.acc.nbytes))
+            else:
+                self.pool.submit(sums.partition, self._discard, sums)
         except PoolClosed:  # no thread will touch it any more
             self.budget.give_accumulator(chunk.acc.nbytes)
 
-    def _queue(self, sums: ChunkSums, task: Any, part: Contribution) -> None:
+    def _queue(self, sums: ChunkSums, task: Any, part: Contribution, kind: int) -> None:
         # The received data stays alive (and counted, against its job's share
         # too) until its task ran.
-        nbytes = len(part.data)
-        self.budget.take_transport(nbytes, sums.cid.job)
+        nbytes, job = len(part.data), sums.cid.job
+        self.budget.take_transport(nbytes, job)
         try:
-            self.pool.submit(sums.partition, task, sums, part.data, part.dtype, nbytes,
-                             nbytes=nbytes)
+            if self._c_pool is not None and sums.in_c:
+                self._c_pool.submit_sum(sums.partition, kind, sums.chunk.acc, part.data,
+                                        part.dtype, (self.budget.give_transport, nbytes, job))
+            else:
+                self.pool.submit(sums.partition, task, sums, part.data, part.dtype, nbytes,
+                                 nbytes=nbytes)
         except BaseException:
-            self.budget.give_transport(nbytes, sums.cid.job)
+            self.budget.give_transport(nbytes, job)
             raise
+
+    def _finish_in_c(self, sums: ChunkSums) -> None:
+        """The finish as a C task: the reply laid out here, the result divided
+        (MEAN) and narrowed into its payload on the chunk's summing thread."""
+        assert self._c_pool is not None
+        cid, chunk = sums.cid, sums.chunk
+        reply = empty_result_reply(job=cid.job, key=cid.key, round=cid.round,
+                                   offset=cid.offset, dtype=chunk.dtype, op=chunk.op,
+                                   world_size=chunk.world_size, numel=chunk.acc.size)
+        divisor = chunk.world_size if chunk.op == pb.REDUCE_OP_MEAN else 0
+        self._c_pool.submit_finish(sums.partition, chunk.acc, reply.payload, chunk.dtype,
+                                   divisor, (self._landed, sums, reply))
+
+    def _landed(self, sums: ChunkSums, reply: Reply) -> None:
+        """A C finish ran (on the loop thread): the room back, the result landed."""
+        self.budget.give_accumulator(sums.chunk.acc.nbytes)
+        if not sums.cancelled:
+            self._on_loop(self.table.land_result, sums, reply)
 
     # -- the chunk's summing thread ------------------------------------------
 

@@ -48,6 +48,7 @@ from reducerd.limits import (
 from reducerd.replies import Reply
 from reducerd.results import ResultCache
 from reducerd.summing import SummingPool
+from reducerd.summing_c import CSummingPool
 
 # The records live in reducerd.chunks; these names are imported from here too.
 __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
@@ -81,7 +82,7 @@ class ReductionTable:
                  clock: Callable[[], float] = time.monotonic,
                  max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB,
                  budget: MemoryBudget | None = None,
-                 summing: SummingPool | None = None,
+                 summing: SummingPool | CSummingPool | None = None,
                  max_job_inflight_bytes: int | None = None) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes

@@ -20,7 +20,7 @@ from reducer_wire import convert, dtypes
 from reducer_wire.codec import ShardEncoder
 from reducer_wire.framing import FRAME_HEADER_BYTES, SHARD, frame_header
 
-__all__ = ["Reply", "result_reply", "error_reply"]
+__all__ = ["Reply", "result_reply", "empty_result_reply", "error_reply"]
 
 # The payload starts on a cache line, so the narrowing's stores never split one.
 _PAYLOAD_ALIGN = 64
@@ -48,7 +48,17 @@ class Reply:
 def result_reply(*, job: str, key: str, round: int, offset: int, dtype: int, op: int,
                  world_size: int, acc: np.ndarray) -> Reply:
     """The reply carrying `acc` (float32) rounded once to `dtype`, written in place."""
-    nbytes = dtypes.wire_nbytes(dtype, acc.size)
+    reply = empty_result_reply(job=job, key=key, round=round, offset=offset, dtype=dtype,
+                               op=op, world_size=world_size, numel=acc.size)
+    convert.to_wire(acc, dtype, out=reply.payload)
+    return reply
+
+
+def empty_result_reply(*, job: str, key: str, round: int, offset: int, dtype: int, op: int,
+                       world_size: int, numel: int) -> Reply:
+    """A result's reply with its payload (`numel` elements of `dtype`) still to
+    be written: by to_wire, or by a summing thread's narrowing in C."""
+    nbytes = dtypes.wire_nbytes(dtype, numel)
     encoder = ShardEncoder(job=job, key=key, round=round, offset=offset, dtype=dtype, op=op,
                            world_size=world_size, data_nbytes=nbytes)
     lead = FRAME_HEADER_BYTES + encoder.nbytes - nbytes  # a result has no field after data
@@ -57,7 +67,6 @@ def result_reply(*, job: str, key: str, round: int, offset: int, dtype: int, op:
     frame = block[start:start + FRAME_HEADER_BYTES + encoder.nbytes].data
     frame[:FRAME_HEADER_BYTES] = frame_header(SHARD, encoder.nbytes)
     payload = encoder.write_into(frame[FRAME_HEADER_BYTES:])
-    convert.to_wire(acc, dtype, out=payload)
     return Reply(frame, payload, block.nbytes)
 
 

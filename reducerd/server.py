@@ -32,7 +32,7 @@ from reducerd.limits import TRANSPORT_RESERVE_SHARE, MemoryBudget
 from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
 from reducerd.session import Session
-from reducerd.summing import SummingPool
+from reducerd.summing_c import summing_pool
 
 if TYPE_CHECKING:
     from reducerd.metrics import Metrics
@@ -89,7 +89,7 @@ class Daemon:
                                    transport_reserve_bytes=config.max_inflight_bytes
                                    // TRANSPORT_RESERVE_SHARE)
         # Summing threads (--threads N); with 1 the loop thread sums inline.
-        self.summing = (SummingPool(config.threads, min_chunk_bytes=config.pool_chunk_bytes)
+        self.summing = (summing_pool(config.threads, min_chunk_bytes=config.pool_chunk_bytes)
                         if config.threads > 1 else None)
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
                                     summing=self.summing,
@@ -113,7 +113,8 @@ class Daemon:
         """Bind and start serving; return the bound port."""
         cfg = self.config
         if self.summing is not None and not self.summing.started:
-            self.summing.start(asyncio.get_running_loop().call_soon_threadsafe)
+            loop = asyncio.get_running_loop()
+            self.summing.start(loop.call_soon_threadsafe, loop.add_reader)
         if cfg.metrics_address:
             self._start_metrics(cfg.metrics_address)
         token = cfg.auth_token()

@@ -95,8 +95,9 @@ class SummingPool:
 
     # -- loop thread ---------------------------------------------------------
 
-    def start(self, post: Post) -> None:
-        """Start the threads; `post(fn, *args)` runs fn on the loop thread later."""
+    def start(self, post: Post, add_reader: Callable[..., Any] | None = None) -> None:
+        """Start the threads; `post(fn, *args)` runs fn on the loop thread later.
+        (`add_reader`, the loop's, is for CSummingPool's eventfd: unused here.)"""
         if self._workers:
             raise RuntimeError("summing pool already started")
         self._post = post

@@ -49,7 +49,7 @@ from reducerd.bench.procs import cpu_seconds as cpu_s
 from reducerd.local import start_daemon
 from reducerd.memory import tune_malloc
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.summing import SummingPool
+from reducerd.summing_c import summing_pool
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -145,7 +145,7 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     chunks = max(1, args.key_bytes // args.chunk_bytes)
     rounds = max(2, round(args.input_bytes / (world * chunks * args.chunk_bytes)))
     posted: queue.SimpleQueue = queue.SimpleQueue()
-    pool = SummingPool(threads) if threads > 1 else None
+    pool = summing_pool(threads) if threads > 1 else None
     if pool is not None:
         pool.start(lambda fn, *a: posted.put((fn, a)))
     table = ReductionTable(120.0, args.max_inflight_bytes, summing=pool)

@@ -29,6 +29,7 @@ from reducerd import chunk_sums
 from reducerd.config import ConfigError, add_arguments, config_from_args
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing import PoolClosed, SummingPool
+from reducerd.summing_c import CSummingPool, _sumpool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,16 +58,35 @@ class Loop:
                 fn(*args)
 
 
-@pytest.fixture
-def loop_and_pool():
-    pools: list[SummingPool] = []
+POOLS = {"python": SummingPool, "c": CSummingPool}
+NEEDS_C = pytest.mark.skipif(_sumpool is None, reason="reducerd._sumpool not built")
+
+
+def pools_of(kind: str):
+    pools: list = []
 
     def make(threads: int = 2, **kwargs) -> tuple[Loop, SummingPool]:
-        loop, pool = Loop(), SummingPool(threads, **kwargs)
+        loop, pool = Loop(), POOLS[kind](threads, **kwargs)
         pool.start(loop.post)
         pools.append(pool)
         return loop, pool
 
+    return pools, make
+
+
+@pytest.fixture(params=["python", pytest.param("c", marks=NEEDS_C)])
+def loop_and_pool(request):
+    """Each test on both pools: Python threads (SummingPool) and C (CSummingPool)."""
+    pools, make = pools_of(request.param)
+    yield make
+    for pool in pools:
+        assert pool.close(WAIT_S)
+
+
+@pytest.fixture
+def python_loop_and_pool():
+    """SummingPool alone: tests that replace the NumPy kernels its tasks call."""
+    pools, make = pools_of("python")
     yield make
     for pool in pools:
         assert pool.close(WAIT_S)
@@ -81,14 +101,17 @@ def test_each_partition_runs_its_tasks_in_order_on_one_thread(loop_and_pool):
 
     def task(scratch, partition, seq):
         time.sleep(0.0005 * (seq % 3))  # uneven durations: order must still hold
-        ran[partition].append((seq, threading.current_thread().name))
+        ran[partition].append((seq, threading.get_ident()))
 
     for seq in range(60):
         pool.submit(seq % 3, task, seq % 3, seq)
     assert pool.wait_idle(WAIT_S)
+    threads = set()
     for partition, got in ran.items():
         assert [seq for seq, _ in got] == list(range(partition, 60, 3))
-        assert {name for _, name in got} == {f"reducerd-sum-{partition}"}
+        assert len({ident for _, ident in got}) == 1  # one thread per partition
+        threads |= {ident for _, ident in got}
+    assert len(threads) == 3 and threading.get_ident() not in threads
 
 
 def test_partitions_run_side_by_side_with_no_lock_held(loop_and_pool):
@@ -99,12 +122,12 @@ def test_partitions_run_side_by_side_with_no_lock_held(loop_and_pool):
 
     def task(scratch):
         barrier.wait()
-        passed.append(threading.current_thread().name)
+        passed.append(threading.get_ident())
 
     pool.submit(0, task)
     pool.submit(1, task)
     assert pool.wait_idle(WAIT_S)
-    assert sorted(passed) == ["reducerd-sum-0", "reducerd-sum-1"]
+    assert len(set(passed)) == 2
 
 
 def test_chunks_open_on_the_least_loaded_partition(loop_and_pool):
@@ -253,8 +276,8 @@ def test_two_contributors_in_either_order_are_bit_identical(loop_and_pool):
 
 
 def test_a_fault_in_a_summing_thread_fails_the_chunk_with_internal(
-        loop_and_pool, monkeypatch, caplog):
-    loop, pool, table, delivered = pooled_table(loop_and_pool)
+        python_loop_and_pool, monkeypatch, caplog):
+    loop, pool, table, delivered = pooled_table(python_loop_and_pool)
     real_add = chunk_sums.accumulate.add_wire_into
 
     def add(acc, data, dtype, scratch=None):
@@ -279,9 +302,9 @@ def test_a_fault_in_a_summing_thread_fails_the_chunk_with_internal(
 
 
 def test_a_timeout_with_adds_in_flight_keeps_the_accumulator_until_they_ran(
-        loop_and_pool, monkeypatch):
+        python_loop_and_pool, monkeypatch):
     clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
-    loop, pool, table, delivered = pooled_table(loop_and_pool, clock=clock)
+    loop, pool, table, delivered = pooled_table(python_loop_and_pool, clock=clock)
     gate, inside = threading.Event(), threading.Event()
     real_add = chunk_sums.accumulate.add_wire_into
     written: list[np.ndarray] = []
@@ -310,8 +333,9 @@ def test_a_timeout_with_adds_in_flight_keeps_the_accumulator_until_they_ran(
     assert written and written[0].tolist() == [2.0] * numel  # it wrote memory still its own
 
 
-def test_fail_all_with_a_finish_queued_delivers_only_the_failure(loop_and_pool, monkeypatch):
-    loop, pool, table, delivered = pooled_table(loop_and_pool)
+def test_fail_all_with_a_finish_queued_delivers_only_the_failure(python_loop_and_pool,
+                                                                monkeypatch):
+    loop, pool, table, delivered = pooled_table(python_loop_and_pool)
     gate = threading.Event()
     real_copy = chunk_sums.accumulate.copy_wire_into
     monkeypatch.setattr(chunk_sums.accumulate, "copy_wire_into",
@@ -404,12 +428,13 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.bench.procs import proc_status
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing import SummingPool
+from reducerd.summing_c import CSummingPool
 
 def rss():
     return proc_status(os.getpid())["VmRSS"]
 
 posted = []
-pool = SummingPool(2)
+pool = {"python": SummingPool, "c": CSummingPool}[sys.argv[2]](2)
 pool.start(lambda fn, *args: posted.append((fn, args)))
 table = ReductionTable(60.0, 1 << 30, summing=pool)
 table.on_deliveries = lambda deliveries: None
@@ -432,12 +457,13 @@ print(json.dumps({"before": before, "after": rss(), "open": table.open_chunk_cou
 """
 
 
-def test_pooled_chunks_hold_no_memory_once_done_measured_in_vmrss():
+@pytest.mark.parametrize("kind", ["python", pytest.param("c", marks=NEEDS_C)])
+def test_pooled_chunks_hold_no_memory_once_done_measured_in_vmrss(kind):
     """200 rounds of a pooled chunk with a 2 MiB accumulator, one after the
     other, the cyclic GC off, under RLIMIT_AS: the process's VmRSS stays flat
     (before the chunk <-> sums cycle was broken: +400 MiB, every accumulator)."""
     count = 200
-    done = subprocess.run([sys.executable, "-c", _POOLED_RSS_SCRIPT, str(count)],
+    done = subprocess.run([sys.executable, "-c", _POOLED_RSS_SCRIPT, str(count), kind],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr

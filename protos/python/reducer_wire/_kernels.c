@@ -21,6 +21,7 @@
 #include <Python.h>
 
 #include "_fpmode.h"
+#include "_api.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -372,6 +373,71 @@ static void bf16_add(float *acc, const char *src, Py_ssize_t n) {
         acc[i] += bits_to_float((uint32_t)load_u16(src + 2 * i) << 16);
 }
 
+/* ---- the C API (_api.h): the same functions as the bindings below ---- */
+
+static void api_f16_widen(const char *src, float *dst, Py_ssize_t n, Py_ssize_t param) {
+    (void)param;
+    RW_FP_ENTER;
+#ifdef HAVE_SIMD_PATHS
+    if (isa == ISA_AVX512) f16_to_f32_avx512(src, (char *)dst, n);
+    else if (isa == ISA_F16C) f16_to_f32_f16c(src, (char *)dst, n);
+    else
+#endif
+        f16_to_f32_generic(src, (char *)dst, n);
+    RW_FP_LEAVE;
+}
+
+static void api_f16_add(float *acc, const char *src, Py_ssize_t n, Py_ssize_t param) {
+    (void)param;
+    RW_FP_ENTER;
+#ifdef HAVE_SIMD_PATHS
+    if (isa == ISA_AVX512) f16_add_avx512(acc, src, n);
+    else if (isa == ISA_F16C) f16_add_f16c(acc, src, n);
+    else
+#endif
+        f16_add_generic(acc, src, n);
+    RW_FP_LEAVE;
+}
+
+static void api_f16_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t param) {
+    (void)param;
+    RW_FP_ENTER;
+#ifdef HAVE_SIMD_PATHS
+    if (isa == ISA_AVX512) f32_to_f16_avx512((const char *)src, dst, n);
+    else if (isa == ISA_F16C) f32_to_f16_f16c((const char *)src, dst, n);
+    else
+#endif
+        f32_to_f16_generic((const char *)src, dst, n);
+    RW_FP_LEAVE;
+}
+
+static void api_bf16_widen(const char *src, float *dst, Py_ssize_t n, Py_ssize_t param) {
+    (void)param;
+    RW_FP_ENTER;
+    bf16_to_f32(src, (char *)dst, n);
+    RW_FP_LEAVE;
+}
+
+static void api_bf16_add(float *acc, const char *src, Py_ssize_t n, Py_ssize_t param) {
+    (void)param;
+    RW_FP_ENTER;
+    bf16_add(acc, src, n);
+    RW_FP_LEAVE;
+}
+
+static void api_bf16_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t param) {
+    (void)param;
+    RW_FP_ENTER;
+    f32_to_bf16((const char *)src, dst, n);
+    RW_FP_LEAVE;
+}
+
+static rw_kernels_api c_api = {
+    RW_API_VERSION,
+    {api_f16_widen, api_f16_add, api_f16_narrow},
+    {api_bf16_widen, api_bf16_add, api_bf16_narrow},
+};
+
 /* ---- Python bindings ---- */
 
 typedef void (*narrow_fn)(const char *, char *, Py_ssize_t);
@@ -570,5 +636,13 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     isa = best_isa();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *capsule = PyCapsule_New(&c_api, "reducer_wire._kernels._C_API", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

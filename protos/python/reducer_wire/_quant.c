@@ -24,6 +24,7 @@
 #include <Python.h>
 
 #include "_fpmode.h"
+#include "_api.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -546,6 +547,67 @@ static void q8_decode_streamed(q8_parts_fn fn, const char *src, char *dst, Py_ss
     stream_fence();
 }
 
+/* ---- the C API (_api.h): the same choices as the bindings below ---- */
+
+static void api_q8_widen(const char *src, float *dst, Py_ssize_t n, Py_ssize_t block) {
+    RW_FP_ENTER;
+    PICK(q8_decode)(src, (char *)dst, n, block);
+    RW_FP_LEAVE;
+}
+
+static void api_q8_add(float *acc, const char *src, Py_ssize_t n, Py_ssize_t block) {
+    RW_FP_ENTER;
+    PICK(q8_add)(acc, src, n, block);
+    RW_FP_LEAVE;
+}
+
+static void api_q8_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t block) {
+    RW_FP_ENTER;
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2) q8_encode_avx2_intrinsics((const char *)src, dst, n, block);
+    else
+#endif
+        q8_encode_generic((const char *)src, dst, n, block);
+    RW_FP_LEAVE;
+}
+
+static void api_fp8_widen(const char *src, float *dst, Py_ssize_t n, Py_ssize_t kind) {
+    RW_FP_ENTER;
+#ifdef HAVE_AVX2_PATH
+    if (use_f16c) fp8_decode_f16c(src, (char *)dst, n, (int)kind, 0);
+    else
+#endif
+        PICK(fp8_decode)(src, (char *)dst, n, (int)kind);
+    RW_FP_LEAVE;
+}
+
+static void api_fp8_add(float *acc, const char *src, Py_ssize_t n, Py_ssize_t kind) {
+    RW_FP_ENTER;
+#ifdef HAVE_AVX2_PATH
+    if (use_f16c) fp8_add_f16c(acc, src, n, (int)kind);
+    else
+#endif
+        PICK(fp8_add)(acc, src, n, (int)kind);
+    RW_FP_LEAVE;
+}
+
+static void api_fp8_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t kind) {
+    RW_FP_ENTER;
+#ifdef HAVE_AVX2_PATH
+    if (use_avx512) fp8_encode_avx512((const char *)src, dst, n, (int)kind);
+    else if (use_f16c) fp8_encode_intrinsics((const char *)src, dst, n, (int)kind);
+    else
+#endif
+        PICK(fp8_encode)((const char *)src, dst, n, (int)kind);
+    RW_FP_LEAVE;
+}
+
+static rw_quant_api c_api = {
+    RW_API_VERSION,
+    {api_q8_widen, api_q8_add, api_q8_narrow},
+    {api_fp8_widen, api_fp8_add, api_fp8_narrow},
+};
+
 /* ---- Python bindings ---- */
 
 static int release_both(Py_buffer *a, Py_buffer *b) {
@@ -825,5 +887,13 @@ PyMODINIT_FUNC PyInit__quant(void) {
     use_avx2 = cpu_has_avx2();
     use_f16c = cpu_has_f16c();
     use_avx512 = use_avx2 && cpu_has_avx512();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *capsule = PyCapsule_New(&c_api, "reducer_wire._quant._C_API", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

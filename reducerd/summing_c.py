@@ -1,0 +1,197 @@
+"""The summing pool on C threads (reducerd/_sumpool.c): SummingPool's interface,
+and sums that never take the GIL.
+
+SummingPool's threads are Python threads: each task takes the GIL to start,
+again after its kernel, and once more to count itself done, and every one of
+those hand-offs can wait for the loop thread and wake it (on a 2-vCPU VM:
+2.5 context switches per 1 MiB task, and the two threads burned 1.6 cores for
+the work one core did inline, docs/scaling.md). Here a chunk's copy, adds and
+finish (MEAN's divide and the narrowing into its reply) are C tasks with the
+wire kernels' C API: no GIL and no Python on the summing threads. What the
+loop must do after them (give back the room, land the result) comes back as
+`done` tuples, fn(*args), which the loop takes in one batch per wake-up
+(drain): from an eventfd it watches (start's add_reader), or, without one,
+posted by a summing thread.
+
+Python tasks (submit, as SummingPool's) run on the same threads with the GIL,
+in the same FIFO order: the NumPy path (the daemon's wire_numpy) and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from reducer_wire import convert, quant
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+
+from reducerd.accumulate import WideningBuffer
+from reducerd.summing import QUEUED_BYTES_PER_THREAD, SWITCH_INTERVAL_S, PoolClosed, SummingPool
+
+try:
+    import reducerd._sumpool as _sumpool
+except ImportError:  # built without a C compiler: SummingPool's Python threads
+    _sumpool = None  # type: ignore[assignment]
+
+__all__ = ["CSummingPool", "summing_pool", "SPIN_US", "COPY", "ADD"]
+
+log = logging.getLogger("reducerd")
+
+# How long an idle summing thread spins for its next task before it sleeps.
+# A sleeping thread's wake-up is a futex call and, under a hypervisor, an
+# interrupt between cores, each several microseconds on both sides; the loop
+# hands a busy pool a task every 20-40 us (a 1 MiB contribution's bookkeeping).
+SPIN_US = 50.0
+COPY, ADD, _FINISH = 0, 1, 2
+
+# The C pool's codec and its parameter for each wire dtype (_sumpool.c).
+_CODECS: dict[int, tuple[int, int]] = {
+    pb.DTYPE_FLOAT32: (0, 0),
+    pb.DTYPE_FLOAT16: (1, 0),
+    pb.DTYPE_BFLOAT16: (2, 0),
+    pb.DTYPE_INT8_BLOCK128: (3, quant.INT8_BLOCK),
+    pb.DTYPE_FP8_E4M3: (4, quant.E4M3.kind),
+    pb.DTYPE_FP8_E5M2: (4, quant.E5M2.kind),
+}
+
+Post = Callable[..., Any]
+AddReader = Callable[[int, Callable[[], None]], Any]
+
+
+def summing_pool(threads: int, min_chunk_bytes: int = 0) -> SummingPool | CSummingPool:
+    """The daemon's pool: on C threads where the extension was built."""
+    if _sumpool is not None:
+        return CSummingPool(threads, min_chunk_bytes=min_chunk_bytes)
+    return SummingPool(threads, min_chunk_bytes=min_chunk_bytes)
+
+
+class CSummingPool:
+    """N summing threads in C, one FIFO each; sums in C, other tasks as task(scratch, *args)."""
+
+    def __init__(self, threads: int, queued_bytes_at_most: int | None = None,
+                 min_chunk_bytes: int = 0, spin_us: float = SPIN_US) -> None:
+        if _sumpool is None:
+            raise RuntimeError("reducerd._sumpool was not built (no C compiler at install)")
+        if threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {threads}")
+        if min_chunk_bytes < 0:
+            raise ValueError(f"min_chunk_bytes: must be >= 0, got {min_chunk_bytes}")
+        self.threads = threads
+        self.min_chunk_bytes = min_chunk_bytes
+        self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
+                                     else threads * QUEUED_BYTES_PER_THREAD)
+        self._c = _sumpool.Pool(threads, self.queued_bytes_at_most, spin_us)
+        # Python tasks get their partition's scratch: a partition runs on one thread.
+        self._scratch = [WideningBuffer() for _ in range(threads)]
+        self._next = 0
+        self._post: Post | None = None
+
+    # -- loop thread ---------------------------------------------------------
+
+    def start(self, post: Post, add_reader: AddReader | None = None) -> None:
+        """Start the threads. `post(fn, *args)` runs fn on the loop thread later;
+        with `add_reader(fd, callback)` (the loop's), finished sums wake the loop
+        through the pool's eventfd instead of a post."""
+        if self._c.started:
+            raise RuntimeError("summing pool already started")
+        self._post = post
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        if add_reader is not None:
+            add_reader(self._c.fileno(), self.drain)
+        self._c.start(lambda: self.post(self.drain), add_reader is not None)
+        log.info("summing on %d threads in C (chunks of %d wire bytes or more; smaller ones "
+                 "on the event loop's thread)", self.threads, self.min_chunk_bytes)
+
+    @property
+    def started(self) -> bool:
+        return bool(self._c.started)
+
+    def pick_partition(self) -> int:
+        """The partition for a chunk that opens: the least loaded, in turn on ties."""
+        best = self._c.pick_partition(self._next)
+        self._next = (best + 1) % self.threads
+        return int(best)
+
+    def submit(self, partition: int, task: Callable[..., None], *args: Any,
+               nbytes: int = 0) -> None:
+        """Queue task(scratch, *args) behind `partition`'s earlier tasks, as
+        SummingPool.submit does (waits for room; PoolClosed once closed)."""
+        if not self._c.submit_call(partition, self._run, (partition, task, args), nbytes):
+            raise PoolClosed("the summing pool is closed (the daemon is stopping)")
+
+    def sums_in_c(self, dtype: int) -> bool:
+        """Whether contributions of `dtype` are summed by the C tasks (else
+        NumPy's, as Python tasks: the daemon's wire_numpy setting)."""
+        return dtype in _CODECS and convert.accelerated()
+
+    def submit_sum(self, partition: int, kind: int, acc: Any, data: Any, dtype: int,
+                   done: tuple[Any, ...]) -> None:
+        """Queue COPY (data widened into acc) or ADD (data added to acc) in C;
+        the loop runs done[0](*done[1:]) once it ran (the data is held till then)."""
+        codec, param = _CODECS[dtype]
+        nbytes = len(data)
+        if not self._c.submit_sum(partition, kind, acc, data, codec, param, acc.size, nbytes,
+                                  done):
+            raise PoolClosed("the summing pool is closed (the daemon is stopping)")
+
+    def submit_finish(self, partition: int, acc: Any, payload: Any, dtype: int,
+                      divisor: int, done: tuple[Any, ...]) -> None:
+        """Queue the finish: acc divided by `divisor` (0: not), rounded into
+        `payload` (the reply's data field); then done on the loop."""
+        codec, param = _CODECS[dtype]
+        if not self._c.submit_sum(partition, _FINISH, acc, payload, codec, param, acc.size, 0,
+                                  done, float(divisor)):
+            raise PoolClosed("the summing pool is closed (the daemon is stopping)")
+
+    def submit_mark(self, partition: int, done: tuple[Any, ...]) -> None:
+        """Queue nothing but `done`, run on the loop once the earlier tasks ran."""
+        if not self._c.submit_mark(partition, done):
+            raise PoolClosed("the summing pool is closed (the daemon is stopping)")
+
+    def drain(self) -> None:
+        """Run the done tuples of the sums finished so far (the loop thread)."""
+        for fn, *args in self._c.take_done():
+            try:
+                fn(*args)
+            except Exception:  # one failing must not strand the rest
+                log.exception("reducerd fault after a summing task (%r)", fn)
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop thread (from a summing thread); dropped
+        once the loop is gone."""
+        assert self._post is not None, "post before start"
+        try:
+            self._post(fn, *args)
+        except RuntimeError:  # the loop is closed: the daemon is gone
+            pass
+
+    @property
+    def pending(self) -> int:
+        """Tasks queued or running."""
+        return int(self._c.pending)
+
+    @property
+    def queued_bytes(self) -> int:
+        return int(self._c.queued_bytes)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no task is queued or running; False after `timeout_s`."""
+        return bool(self._c.wait_idle(float(timeout_s)))
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Refuse new tasks, run every queued one, stop the threads; False if
+        some thread was still busy after `timeout_s`."""
+        stopped = bool(self._c.close(float(timeout_s)))
+        if not stopped:
+            log.error("summing threads still busy %g s after the pool closed", timeout_s)
+        return stopped
+
+    # -- summing threads -----------------------------------------------------
+
+    def _run(self, partition: int, task: Callable[..., None], args: tuple[Any, ...]) -> None:
+        try:
+            task(self._scratch[partition], *args)
+        except Exception:  # tasks answer their own faults; this one is a bug
+            log.exception("reducerd fault in summing thread %d (task %r)", partition, task)
