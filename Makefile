@@ -89,4 +89,5 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VENV_MX) .pytest_cache build protos/python/reducer_wire/_kernels*.so \
-		protos/python/reducer_wire/_quant*.so
+		protos/python/reducer_wire/_quant*.so protos/python/reducer_wire/_codec*.so \
+		reducerd/_sumpool*.so

@@ -38,8 +38,8 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd import accumulate
 from reducerd.chunks import ChunkId, Contribution, Delivery, OpenChunk
 from reducerd.replies import Reply, empty_result_reply, result_reply
-from reducerd.summing import PoolClosed, SummingPool
-from reducerd.summing_c import ADD, COPY, CSummingPool
+from reducerd.summing import PoolClosed
+from reducerd.summing_c import ADD, COPY, AnySummingPool, CSummingPool
 
 if TYPE_CHECKING:
     from reducerd.reduction import ReductionTable
@@ -86,9 +86,10 @@ class ChunkSums:
 class PooledSums:
     """The table's side of the pool: loop-thread calls queue tasks on the chunk's partition."""
 
-    def __init__(self, pool: SummingPool | CSummingPool, table: ReductionTable) -> None:
+    def __init__(self, pool: AnySummingPool, table: ReductionTable) -> None:
         self.pool = pool
         self._c_pool = pool if isinstance(pool, CSummingPool) else None
+        self._defer_results = False  # set while reclaim() drains inside a table call
         self.table = table
         self.budget = table.budget
 
@@ -194,10 +195,24 @@ class PooledSums:
         self._c_pool.submit_finish(sums.partition, chunk.acc, reply.payload, chunk.dtype,
                                    divisor, (self._landed, sums, reply))
 
+    def reclaim(self) -> None:
+        """Give back now the room of C tasks that ran but whose done tuples the
+        loop has not taken yet (the table, before it refuses a chunk for
+        memory); results found land later, from a post, not inside the caller."""
+        self._defer_results = True
+        try:
+            self.pool.drain()
+        finally:
+            self._defer_results = False
+
     def _landed(self, sums: ChunkSums, reply: Reply) -> None:
         """A C finish ran (on the loop thread): the room back, the result landed."""
         self.budget.give_accumulator(sums.chunk.acc.nbytes)
-        if not sums.cancelled:
+        if sums.cancelled:
+            return
+        if self._defer_results:
+            self.pool.post(self._on_loop, self.table.land_result, sums, reply)
+        else:
             self._on_loop(self.table.land_result, sums, reply)
 
     # -- the chunk's summing thread ------------------------------------------

@@ -180,6 +180,7 @@ def admit(table: ReductionTable, cid: ChunkId, part: Contribution, sink: Hashabl
         # last task (queued behind adds that now skip): let them run, so that the
         # new era's first contribution is not refused for the old era's memory.
         table._pooled.pool.wait_idle(RESTART_DRAIN_S)
+        table._pooled.reclaim()  # C tasks' room comes back on this (the loop) thread
     for failed_id in [f for f in table._failed if f.job == name]:
         del table._failed[failed_id]  # the earlier incarnation's (and those just made)
     results = [r for r in table._results if r.job == name]

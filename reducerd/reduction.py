@@ -1,11 +1,10 @@
 """The reduction table: open chunks, float32 accumulation, failures.
 
-Pure Python and NumPy, no gRPC: the session checks and routes shards here
-and delivers what this module returns. Every method runs on the daemon's event
-loop thread, so the table needs no lock. With a SummingPool (--threads N > 1)
-a chunk of --pool-chunk-bytes or more is summed on summing threads (chunk_sums):
-the table still counts every contribution here, and its result comes back to
-land_result, which delivers it through `on_deliveries`.
+Pure Python and NumPy, no gRPC: the session checks and routes shards here and
+delivers what this module returns. Every method runs on the daemon's event loop
+thread, so the table needs no lock. With a summing pool (--threads N > 1) a
+chunk of --pool-chunk-bytes or more is summed on its threads (chunk_sums); the
+table counts every contribution, land_result delivers via `on_deliveries`.
 
 Numerics: each chunk owns one float32 accumulator. The first contribution is
 converted into it, the others are added in place; MEAN divides by world_size
@@ -47,8 +46,7 @@ from reducerd.limits import (
 )
 from reducerd.replies import Reply
 from reducerd.results import ResultCache
-from reducerd.summing import SummingPool
-from reducerd.summing_c import CSummingPool
+from reducerd.summing_c import AnySummingPool
 
 # The records live in reducerd.chunks; these names are imported from here too.
 __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
@@ -82,7 +80,7 @@ class ReductionTable:
                  clock: Callable[[], float] = time.monotonic,
                  max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB,
                  budget: MemoryBudget | None = None,
-                 summing: SummingPool | CSummingPool | None = None,
+                 summing: AnySummingPool | None = None,
                  max_job_inflight_bytes: int | None = None) -> None:
         self.round_timeout_s = round_timeout_s
         self.max_inflight_bytes = max_inflight_bytes
@@ -269,6 +267,13 @@ class ReductionTable:
 
     # -- internals -----------------------------------------------------------
 
+    def _reclaimed(self, nbytes: int) -> bool:
+        """Room for an accumulator once the loop took back what finished C sums freed."""
+        if self._pooled is None:
+            return False
+        self._pooled.reclaim()
+        return self.budget.take_accumulator(nbytes)
+
     def _open_chunk(self, cid: ChunkId, part: Contribution, sink: Hashable,
                     now: float, job: JobStats) -> list[Delivery]:
         nbytes = part.numel * 4
@@ -280,7 +285,7 @@ class ReductionTable:
         if refusal is not None:
             return [self._fail(cid, RESOURCE_EXHAUSTED, f"{cid.describe()}: {refusal}",
                                (sink,), part)]
-        if not self.budget.take_accumulator(nbytes):
+        if not self.budget.take_accumulator(nbytes) and not self._reclaimed(nbytes):
             message = (f"{cid.describe()}: daemon holds {self.bytes_held} bytes for open "
                        f"chunks and {self.budget.transport_bytes} for its connections; "
                        f"this chunk needs {nbytes} more, over the limit of "

@@ -156,6 +156,10 @@ class SummingPool:
         except RuntimeError:  # the loop is closed: the daemon is gone
             pass
 
+    def drain(self) -> None:
+        """Nothing: each task gives its room back itself (CSummingPool's loop
+        thread does that for its C tasks here)."""
+
     @property
     def pending(self) -> int:
         """Tasks queued or running."""

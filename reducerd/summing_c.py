@@ -35,7 +35,7 @@ try:
 except ImportError:  # built without a C compiler: SummingPool's Python threads
     _sumpool = None  # type: ignore[assignment]
 
-__all__ = ["CSummingPool", "summing_pool", "SPIN_US", "COPY", "ADD"]
+__all__ = ["CSummingPool", "AnySummingPool", "summing_pool", "SPIN_US", "COPY", "ADD"]
 
 log = logging.getLogger("reducerd")
 
@@ -101,8 +101,8 @@ class CSummingPool:
         if add_reader is not None:
             add_reader(self._c.fileno(), self.drain)
         self._c.start(lambda: self.post(self.drain), add_reader is not None)
-        log.info("summing on %d threads in C (chunks of %d wire bytes or more; smaller ones "
-                 "on the event loop's thread)", self.threads, self.min_chunk_bytes)
+        log.info("summing on %d threads (chunks of %d wire bytes or more; smaller ones on "
+                 "the event loop's thread), in C", self.threads, self.min_chunk_bytes)
 
     @property
     def started(self) -> bool:
@@ -195,3 +195,6 @@ class CSummingPool:
             task(self._scratch[partition], *args)
         except Exception:  # tasks answer their own faults; this one is a bug
             log.exception("reducerd fault in summing thread %d (task %r)", partition, task)
+
+
+AnySummingPool = SummingPool | CSummingPool

@@ -20,6 +20,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.incarnations import JobIncarnations, Restart
 from reducerd.reduction import JOB_FORGET_AFTER_S, ChunkId, Contribution, ReductionTable
 from reducerd.summing import SummingPool
+from reducerd.summing_c import CSummingPool, _sumpool
 
 F32, SUM = pb.DTYPE_FLOAT32, pb.REDUCE_OP_SUM
 OLD = (101, 102, 103)  # ids of the first incarnation's ranks 0, 1, 2
@@ -203,9 +204,14 @@ def test_the_rules_on_their_own():
     assert job.check(1, NEW[1], 2) is None and job.era == 1
 
 
-@pytest.fixture
-def pooled():
-    pool = SummingPool(2)
+POOLS = {"python": SummingPool, "c": CSummingPool}
+KINDS = ["python", pytest.param("c", marks=pytest.mark.skipif(_sumpool is None,
+                                                              reason="_sumpool not built"))]
+
+
+@pytest.fixture(params=KINDS)
+def pooled(request):
+    pool = POOLS[request.param](2)
     posted = []
     pool.start(lambda fn, *args: posted.append((fn, args)))
     table = ReductionTable(60, 1 << 30, summing=pool)
@@ -293,20 +299,19 @@ def test_a_new_id_outside_the_world_is_a_restart_at_the_larger_size():
     assert table.jobs["J"].incarnations.era == 1
 
 
-def test_a_restart_on_a_full_budget_waits_for_the_failed_chunks_room(monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_restart_on_a_full_budget_waits_for_the_failed_chunks_room(monkeypatch, kind):
     """With --threads > 1 a failed chunk's accumulator goes back to the budget
     only once its summing thread ran its last task. The restarted job's first
     contribution waits for the earlier era's chunks to give theirs back
     (here held 0.3 s) instead of being refused RESOURCE_EXHAUSTED."""
     numel = 64 * 1024  # 256 KiB float32: two accumulators fill the budget
-    pool = SummingPool(2)
+    pool = POOLS[kind](2)
     pool.start(lambda fn, *args: None)
     table = ReductionTable(60, 2 * numel * 4 + 2 * numel * 4, summing=pool)
     gate = threading.Event()
-    from reducerd import chunk_sums
-    real_copy = chunk_sums.accumulate.copy_wire_into
-    monkeypatch.setattr(chunk_sums.accumulate, "copy_wire_into",
-                        lambda *a: (gate.wait(WAIT_S), real_copy(*a)))
+    for partition in (0, 1):  # both summing threads held until the gate opens
+        pool.submit(partition, lambda scratch: gate.wait(WAIT_S))
     try:
         for round_ in (0, 1):
             for rank in (0, 1):

@@ -198,3 +198,35 @@ def test_a_sum_of_the_wrong_size_is_refused_at_submit(c_pool):
     with pytest.raises(ValueError, match="partition 3: the pool has 1"):
         pool.submit_sum(3, ADD, acc, b"\0" * 200, pb.DTYPE_FLOAT16, (print,))
     assert pool.pending == 0 and pool.queued_bytes == 0
+
+
+def test_room_freed_by_finished_c_sums_admits_a_chunk_before_the_loop_took_it():
+    """A chunk's C tasks ran but the loop has not taken their done tuples (its
+    eventfd callback has not run yet): a new chunk that needs that room is
+    admitted, not refused RESOURCE_EXHAUSTED, and the finished chunk's result
+    still lands, later, from a post."""
+    numel = 4096
+    posted: list = []
+    pool = CSummingPool(1)
+    pool.start(lambda fn, *args: posted.append((fn, args)), add_reader=lambda fd, cb: None)
+    try:
+        limit = 4 * numel + 2 * numel + 2 * numel  # one accumulator and its data, not two
+        table = ReductionTable(5.0, limit, summing=pool, max_job_inflight_bytes=limit)
+        delivered: list = []
+        table.on_deliveries = delivered.extend
+        first, second = ChunkId("job", "k", 0, 0), ChunkId("job", "k", 0, numel)
+        assert table.contribute(first, part(0, np.ones(numel), 1), "s0") == []
+        assert pool.wait_idle(WAIT_S) and table.bytes_held == 4 * numel  # not taken back yet
+        assert table.contribute(second, part(0, np.full(numel, 2.0), 1), "s0") == []
+        assert table.open_chunk_count == 2 and delivered == []  # the first lands later
+        for fn, args in posted:
+            fn(*args)
+        assert [d.chunk for d in delivered] == [first]
+        assert np.all(np.frombuffer(delivered[0].data, np.float16) == 1.0)
+        assert pool.wait_idle(WAIT_S)
+        pool.drain()
+        assert [d.chunk for d in delivered] == [first, second]
+        assert table.bytes_held == 0 and table.budget.transport_bytes == 0
+        assert table.open_chunk_count == 0
+    finally:
+        assert pool.close(WAIT_S)
