@@ -17,10 +17,11 @@
  * watches (add_reader) or, without one, by calling `notify` with the GIL.
  *
  * Bounds: submit waits (GIL released) while more than `queued_bytes_at_most`
- * of input is queued, until half of it is left, as the Python pool did. An
- * idle worker spins for `spin_us` before it sleeps: a wake-up from sleep is a
- * futex call and, under a hypervisor, an interrupt between cores, each
- * costing more than the few microseconds between a busy loop's tasks.
+ * of input is queued, until half of it is left, as the Python pool does. An
+ * idle worker sleeps on its partition's condition, signalled only when it
+ * sleeps. (Spinning 20-200 us before sleeping was measured: no faster in the
+ * table's own run, and slower on loopback, where the spinning took CPU from
+ * the readers: docs/scaling.md.)
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -37,13 +38,6 @@
 #include <unistd.h>
 
 #include "../protos/python/reducer_wire/_api.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#else
-#define CPU_RELAX() do { } while (0)
-#endif
 
 /* Wire codecs, by the numbers the Python side passes (reducerd.summing). */
 enum { CODEC_FLOAT32 = 0, CODEC_FLOAT16, CODEC_BFLOAT16, CODEC_INT8, CODEC_FP8, CODECS };
@@ -70,7 +64,6 @@ typedef struct {
     PyObject_HEAD
     int threads, started, closed, stop, live, ready, signaled;
     Py_ssize_t queued_bytes, queued_bytes_at_most, pending;
-    long spin_ns;
     int waiters;
     pthread_mutex_t lock;        /* guards everything here and in the partitions */
     pthread_cond_t changed;      /* room, idle, a worker exiting */
@@ -86,12 +79,6 @@ typedef struct {
 } Pool;
 
 typedef struct { Pool *pool; int index; } worker_arg;
-
-static long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long)t.tv_sec * 1000000000L + t.tv_nsec;
-}
 
 static void f32_widen(const char *src, float *dst, Py_ssize_t n, Py_ssize_t p) {
     (void)p;
@@ -165,18 +152,6 @@ static void wake_loop(Pool *p, PyThreadState **ts) {
 /* Take the partition's next task into *out; 0 once stopped and empty. */
 static int next_task(Pool *p, partition_t *part, task_t *out) {
     pthread_mutex_lock(&p->lock);
-    if (part->count == 0 && !p->stop && p->spin_ns > 0) {
-        pthread_mutex_unlock(&p->lock);
-        long until = now_ns() + p->spin_ns;
-        for (int i = 0;; i++) {
-            if (__atomic_load_n(&part->count, __ATOMIC_ACQUIRE) ||
-                __atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
-                break;
-            CPU_RELAX();
-            if ((i & 63) == 63 && now_ns() >= until) break;
-        }
-        pthread_mutex_lock(&p->lock);
-    }
     while (part->count == 0 && !p->stop) {
         part->sleeping = 1;
         pthread_cond_wait(&part->ready, &p->lock);
@@ -288,15 +263,14 @@ static int load_api(Pool *p) {
 }
 
 static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"threads", "queued_bytes_at_most", "spin_us", NULL};
+    static char *names[] = {"threads", "queued_bytes_at_most", NULL};
     int threads;
     Py_ssize_t at_most;
-    double spin_us;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ind", names, &threads, &at_most, &spin_us))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "in", names, &threads, &at_most))
         return NULL;
-    if (threads < 1 || at_most < 0 || spin_us < 0) {
-        PyErr_Format(PyExc_ValueError, "Pool: threads must be >= 1 and queued_bytes_at_most, "
-                     "spin_us >= 0, got %d, %zd, %g", threads, at_most, spin_us);
+    if (threads < 1 || at_most < 0) {
+        PyErr_Format(PyExc_ValueError, "Pool: threads must be >= 1 and queued_bytes_at_most "
+                     ">= 0, got %d, %zd", threads, at_most);
         return NULL;
     }
     Pool *p = (Pool *)type->tp_alloc(type, 0);
@@ -304,7 +278,6 @@ static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     p->efd = -1;
     p->threads = threads;
     p->queued_bytes_at_most = at_most;
-    p->spin_ns = (long)(spin_us * 1000.0);
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->changed, NULL);
     p->parts = calloc((size_t)threads, sizeof *p->parts);

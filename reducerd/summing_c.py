@@ -35,15 +35,10 @@ try:
 except ImportError:  # built without a C compiler: SummingPool's Python threads
     _sumpool = None  # type: ignore[assignment]
 
-__all__ = ["CSummingPool", "AnySummingPool", "summing_pool", "SPIN_US", "COPY", "ADD"]
+__all__ = ["CSummingPool", "AnySummingPool", "summing_pool", "COPY", "ADD"]
 
 log = logging.getLogger("reducerd")
 
-# How long an idle summing thread spins for its next task before it sleeps.
-# A sleeping thread's wake-up is a futex call and, under a hypervisor, an
-# interrupt between cores, each several microseconds on both sides; the loop
-# hands a busy pool a task every 20-40 us (a 1 MiB contribution's bookkeeping).
-SPIN_US = 50.0
 COPY, ADD, _FINISH = 0, 1, 2
 
 # The C pool's codec and its parameter for each wire dtype (_sumpool.c).
@@ -71,7 +66,7 @@ class CSummingPool:
     """N summing threads in C, one FIFO each; sums in C, other tasks as task(scratch, *args)."""
 
     def __init__(self, threads: int, queued_bytes_at_most: int | None = None,
-                 min_chunk_bytes: int = 0, spin_us: float = SPIN_US) -> None:
+                 min_chunk_bytes: int = 0) -> None:
         if _sumpool is None:
             raise RuntimeError("reducerd._sumpool was not built (no C compiler at install)")
         if threads < 1:
@@ -82,7 +77,7 @@ class CSummingPool:
         self.min_chunk_bytes = min_chunk_bytes
         self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
                                      else threads * QUEUED_BYTES_PER_THREAD)
-        self._c = _sumpool.Pool(threads, self.queued_bytes_at_most, spin_us)
+        self._c = _sumpool.Pool(threads, self.queued_bytes_at_most)
         # Python tasks get their partition's scratch: a partition runs on one thread.
         self._scratch = [WideningBuffer() for _ in range(threads)]
         self._next = 0
