@@ -89,7 +89,8 @@ class Daemon:
                                    transport_reserve_bytes=config.max_inflight_bytes
                                    // TRANSPORT_RESERVE_SHARE)
         # Summing threads (--threads N); with 1 the loop thread sums inline.
-        self.summing = (summing_pool(config.threads, min_chunk_bytes=config.pool_chunk_bytes)
+        self.summing = (summing_pool(config.threads, min_chunk_bytes=config.pool_chunk_bytes,
+                                     budget_bytes=config.max_inflight_bytes)
                         if config.threads > 1 else None)
         self.table = ReductionTable(config.round_timeout_s, config.max_inflight_bytes,
                                     summing=self.summing,

@@ -29,15 +29,18 @@ from typing import Any
 
 from reducerd.accumulate import WideningBuffer
 
-__all__ = ["SummingPool", "PoolClosed", "QUEUED_BYTES_PER_THREAD"]
+__all__ = ["SummingPool", "PoolClosed", "QUEUED_BYTES_PER_THREAD", "QUEUED_SHARE_OF_BUDGET"]
 
 log = logging.getLogger("reducerd")
 
-# Input queued per summing thread before the loop waits: a few chunks each
-# (1 MiB chunks of float16 sum in about 0.1 ms on one core), enough to keep
-# every thread busy between the loop's hand-offs and small beside
-# --max-inflight-bytes, which counts them (MemoryBudget, as transport bytes).
-QUEUED_BYTES_PER_THREAD = 8 << 20
+# Input queued per summing thread before the loop waits. A chunk's
+# contributions all queue on its one thread (8 contributors of 1 MiB: 8 MiB),
+# so this is four such chunks: with 8 MiB (one) a thread often ran dry while
+# the loop waited for room (2 threads, docs/scaling.md: 1.69x one thread's
+# rate, 1.86x with 32 MiB). The daemon caps the pool's total at an eighth of
+# --max-inflight-bytes, which counts what is queued (as transport bytes).
+QUEUED_BYTES_PER_THREAD = 32 << 20
+QUEUED_SHARE_OF_BUDGET = 8
 # The GIL's switch interval while summing threads run. A summing thread back
 # from a kernel needs the GIL for a few microseconds to take its next task;
 # under the default 5 ms a thread busy in Python (the loop, the data plane's

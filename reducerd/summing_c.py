@@ -28,7 +28,13 @@ from reducer_wire import convert, quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.accumulate import WideningBuffer
-from reducerd.summing import QUEUED_BYTES_PER_THREAD, SWITCH_INTERVAL_S, PoolClosed, SummingPool
+from reducerd.summing import (
+    QUEUED_BYTES_PER_THREAD,
+    QUEUED_SHARE_OF_BUDGET,
+    SWITCH_INTERVAL_S,
+    PoolClosed,
+    SummingPool,
+)
 
 try:
     import reducerd._sumpool as _sumpool
@@ -55,11 +61,15 @@ Post = Callable[..., Any]
 AddReader = Callable[[int, Callable[[], None]], Any]
 
 
-def summing_pool(threads: int, min_chunk_bytes: int = 0) -> SummingPool | CSummingPool:
-    """The daemon's pool: on C threads where the extension was built."""
-    if _sumpool is not None:
-        return CSummingPool(threads, min_chunk_bytes=min_chunk_bytes)
-    return SummingPool(threads, min_chunk_bytes=min_chunk_bytes)
+def summing_pool(threads: int, min_chunk_bytes: int = 0,
+                 budget_bytes: int | None = None) -> SummingPool | CSummingPool:
+    """The daemon's pool: on C threads where the extension was built; what it
+    queues at most is capped by its share of the memory budget, if given."""
+    at_most = threads * QUEUED_BYTES_PER_THREAD
+    if budget_bytes is not None:
+        at_most = min(at_most, budget_bytes // QUEUED_SHARE_OF_BUDGET)
+    kind = CSummingPool if _sumpool is not None else SummingPool
+    return kind(threads, queued_bytes_at_most=at_most, min_chunk_bytes=min_chunk_bytes)
 
 
 class CSummingPool:

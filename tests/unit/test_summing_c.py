@@ -230,3 +230,14 @@ def test_room_freed_by_finished_c_sums_admits_a_chunk_before_the_loop_took_it():
         assert table.open_chunk_count == 0
     finally:
         assert pool.close(WAIT_S)
+
+
+def test_the_daemons_pool_is_the_c_one_and_queues_at_most_its_share_of_the_budget():
+    from reducerd.summing import QUEUED_BYTES_PER_THREAD
+    from reducerd.summing_c import summing_pool
+
+    roomy = summing_pool(2, min_chunk_bytes=4096)
+    assert isinstance(roomy, CSummingPool) and roomy.min_chunk_bytes == 4096
+    assert roomy.queued_bytes_at_most == 2 * QUEUED_BYTES_PER_THREAD
+    tight = summing_pool(4, budget_bytes=64 << 20)  # an eighth of the budget
+    assert tight.queued_bytes_at_most == 8 << 20
