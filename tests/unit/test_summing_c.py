@@ -241,3 +241,32 @@ def test_the_daemons_pool_is_the_c_one_and_queues_at_most_its_share_of_the_budge
     assert roomy.queued_bytes_at_most == 2 * QUEUED_BYTES_PER_THREAD
     tight = summing_pool(4, budget_bytes=64 << 20)  # an eighth of the budget
     assert tight.queued_bytes_at_most == 8 << 20
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, pb.DTYPE_INT8_BLOCK128],
+                         ids=lambda d: pb.DType.Name(d))
+def test_without_the_c_kernels_the_c_threads_sum_with_numpy_as_python_tasks(c_pool, dtype):
+    """The daemon's wire_numpy setting: NumPy's kernels, run as Python tasks on
+    the C threads in the same order; the same bytes as the inline table."""
+    previous = convert.use_accelerator(False)
+    try:
+        pool, run = c_pool(2)
+        assert not pool.sums_in_c(dtype)
+        table = ReductionTable(5.0, 1 << 30, summing=pool)
+        delivered: list = []
+        table.on_deliveries = delivered.extend
+        inline = ReductionTable(5.0, 1 << 30)
+        rng = np.random.default_rng(5)
+        expected = {}
+        for offset in range(4):
+            cid = ChunkId("job", "k", 0, offset * 999)
+            for rank in range(3):
+                p = part(rank, awkward_values(rng, 999, rank), 3, dtype, MEAN)
+                assert table.contribute(cid, p, f"s{rank}") == []
+                for d in inline.contribute(cid, p, f"s{rank}"):
+                    expected[cid] = bytes(d.data)
+        run()
+        assert {d.chunk: bytes(d.data) for d in delivered} == expected
+        assert table.bytes_held == 0 and table.budget.transport_bytes == 0
+    finally:
+        convert.use_accelerator(previous)
