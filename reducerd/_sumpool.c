@@ -62,8 +62,8 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    int threads, started, closed, stop, live, ready, signaled;
-    Py_ssize_t queued_bytes, queued_bytes_at_most, pending;
+    int threads, started, closed, stop, ready, signaled;
+    Py_ssize_t live, queued_bytes, queued_bytes_at_most, pending;
     int waiters;
     pthread_mutex_t lock;        /* guards everything here and in the partitions */
     pthread_cond_t changed;      /* room, idle, a worker exiting */
@@ -519,21 +519,32 @@ static PyObject *Pool_pick_partition(Pool *p, PyObject *start_obj) {
     return PyLong_FromSsize_t(best);
 }
 
+/* The CLOCK_REALTIME time `seconds` from now (pthread_cond_timedwait's clock). */
+static struct timespec deadline_after(double seconds) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    long ns = t.tv_nsec + (long)((seconds - (long)seconds) * 1e9);
+    t.tv_sec += (time_t)seconds + ns / 1000000000L;
+    t.tv_nsec = ns % 1000000000L;
+    return t;
+}
+
+/* Wait (with the lock) on `changed` until *count is 0 or the deadline passed. */
+static void wait_until_zero(Pool *p, const Py_ssize_t *count, const struct timespec *until) {
+    p->waiters++;
+    int err = 0;
+    while (*count && err != ETIMEDOUT) err = pthread_cond_timedwait(&p->changed, &p->lock, until);
+    p->waiters--;
+}
+
 static PyObject *Pool_wait_idle(Pool *p, PyObject *arg) {
     double timeout = PyFloat_AsDouble(arg);
     if (timeout == -1 && PyErr_Occurred()) return NULL;
     int idle;
     Py_BEGIN_ALLOW_THREADS
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    long ns = until.tv_nsec + (long)((timeout - (long)timeout) * 1e9);
-    until.tv_sec += (time_t)timeout + ns / 1000000000L;
-    until.tv_nsec = ns % 1000000000L;
+    struct timespec until = deadline_after(timeout);
     pthread_mutex_lock(&p->lock);
-    p->waiters++;
-    int err = 0;
-    while (p->pending && err != ETIMEDOUT) err = pthread_cond_timedwait(&p->changed, &p->lock, &until);
-    p->waiters--;
+    wait_until_zero(p, &p->pending, &until);
     idle = p->pending == 0;
     pthread_mutex_unlock(&p->lock);
     Py_END_ALLOW_THREADS
@@ -545,22 +556,15 @@ static PyObject *Pool_wait_idle(Pool *p, PyObject *arg) {
 static PyObject *Pool_close(Pool *p, PyObject *arg) {
     double timeout = PyFloat_AsDouble(arg);
     if (timeout == -1 && PyErr_Occurred()) return NULL;
-    int live;
+    Py_ssize_t live;
     Py_BEGIN_ALLOW_THREADS
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    long ns = until.tv_nsec + (long)((timeout - (long)timeout) * 1e9);
-    until.tv_sec += (time_t)timeout + ns / 1000000000L;
-    until.tv_nsec = ns % 1000000000L;
+    struct timespec until = deadline_after(timeout);
     pthread_mutex_lock(&p->lock);
     p->closed = 1;
     __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);  /* workers drain their queues first */
     for (int i = 0; i < p->threads; i++) pthread_cond_signal(&p->parts[i].ready);
     pthread_cond_broadcast(&p->changed);
-    p->waiters++;
-    int err = 0;
-    while (p->live && err != ETIMEDOUT) err = pthread_cond_timedwait(&p->changed, &p->lock, &until);
-    p->waiters--;
+    wait_until_zero(p, &p->live, &until);
     live = p->live;
     pthread_mutex_unlock(&p->lock);
     Py_END_ALLOW_THREADS

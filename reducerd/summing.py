@@ -65,21 +65,27 @@ class _Partition:
         self.queued_bytes = 0  # guarded by the pool's _lock; read unlocked as a hint
 
 
+def pool_bounds(threads: int, queued_bytes_at_most: int | None, min_chunk_bytes: int) -> int:
+    """A pool's arguments checked (both pools take the same); the queued input
+    it holds at most, QUEUED_BYTES_PER_THREAD per thread by default."""
+    if threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    if min_chunk_bytes < 0:
+        raise ValueError(f"min_chunk_bytes: must be >= 0, got {min_chunk_bytes}")
+    return (queued_bytes_at_most if queued_bytes_at_most is not None
+            else threads * QUEUED_BYTES_PER_THREAD)
+
+
 class SummingPool:
     """N summing threads, one FIFO each; tasks run as task(scratch, *args)."""
 
     def __init__(self, threads: int, queued_bytes_at_most: int | None = None,
                  min_chunk_bytes: int = 0) -> None:
-        if threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {threads}")
-        if min_chunk_bytes < 0:
-            raise ValueError(f"min_chunk_bytes: must be >= 0, got {min_chunk_bytes}")
+        self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         # Chunks of fewer wire bytes per contribution are summed on the loop
         # thread instead (reducerd.chunk_sums.PooledSums.takes).
         self.min_chunk_bytes = min_chunk_bytes
-        self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
-                                     else threads * QUEUED_BYTES_PER_THREAD)
         self._parts = [_Partition() for _ in range(threads)]
         # _lock guards the counts (_queued_bytes, _pending, each partition's
         # queued_bytes), _closed and _waiters; taken by the loop thread in

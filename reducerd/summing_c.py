@@ -34,6 +34,7 @@ from reducerd.summing import (
     SWITCH_INTERVAL_S,
     PoolClosed,
     SummingPool,
+    pool_bounds,
 )
 
 try:
@@ -79,14 +80,9 @@ class CSummingPool:
                  min_chunk_bytes: int = 0) -> None:
         if _sumpool is None:
             raise RuntimeError("reducerd._sumpool was not built (no C compiler at install)")
-        if threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {threads}")
-        if min_chunk_bytes < 0:
-            raise ValueError(f"min_chunk_bytes: must be >= 0, got {min_chunk_bytes}")
+        self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         self.min_chunk_bytes = min_chunk_bytes
-        self.queued_bytes_at_most = (queued_bytes_at_most if queued_bytes_at_most is not None
-                                     else threads * QUEUED_BYTES_PER_THREAD)
         self._c = _sumpool.Pool(threads, self.queued_bytes_at_most)
         # Python tasks get their partition's scratch: a partition runs on one thread.
         self._scratch = [WideningBuffer() for _ in range(threads)]
