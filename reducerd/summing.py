@@ -65,6 +65,16 @@ class _Partition:
         self.queued_bytes = 0  # guarded by the pool's _lock; read unlocked as a hint
 
 
+def post_to_loop(post: Post | None, fn: Callable[..., Any], *args: Any) -> None:
+    """post(fn, *args), the loop's call_soon_threadsafe; dropped once the loop
+    is closed (the daemon is gone)."""
+    assert post is not None, "post before start"
+    try:
+        post(fn, *args)
+    except RuntimeError:
+        pass
+
+
 def pool_bounds(threads: int, queued_bytes_at_most: int | None, min_chunk_bytes: int) -> int:
     """A pool's arguments checked (both pools take the same); the queued input
     it holds at most, QUEUED_BYTES_PER_THREAD per thread by default."""
@@ -159,11 +169,7 @@ class SummingPool:
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop thread (from a summing thread); dropped
         once the loop is gone."""
-        assert self._post is not None, "post before start"
-        try:
-            self._post(fn, *args)
-        except RuntimeError:  # the loop is closed: the daemon is gone
-            pass
+        post_to_loop(self._post, fn, *args)
 
     def drain(self) -> None:
         """Nothing: each task gives its room back itself (CSummingPool's loop

@@ -35,6 +35,7 @@ from reducerd.summing import (
     PoolClosed,
     SummingPool,
     pool_bounds,
+    post_to_loop,
 )
 
 try:
@@ -162,11 +163,7 @@ class CSummingPool:
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop thread (from a summing thread); dropped
         once the loop is gone."""
-        assert self._post is not None, "post before start"
-        try:
-            self._post(fn, *args)
-        except RuntimeError:  # the loop is closed: the daemon is gone
-            pass
+        post_to_loop(self._post, fn, *args)
 
     @property
     def pending(self) -> int:
