@@ -31,6 +31,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -47,10 +48,24 @@ typedef struct {
     int kind, codec;
     Py_ssize_t param, numel, nbytes;  /* nbytes: input counted against the bound */
     float divisor;                    /* TASK_FINISH: > 0 divides the sum (MEAN) */
-    Py_buffer acc, wire;              /* acc: float32; wire: the contribution or payload */
-    int has_acc, has_wire;
+    struct Acc *acc;                  /* the chunk's accumulator (a reference) */
+    Py_buffer wire;                   /* the contribution, or the reply's payload */
+    int has_wire;
     PyObject *done;                   /* TASK_CALL: (callable, args) */
 } task_t;
+
+/* A chunk's float32 accumulator, owned here: its first task may swap in the
+ * partition's spare (the last finished chunk's, still in that core's cache),
+ * and its finish (or a mark) hands its memory to the partition as the spare.
+ * Touched by its partition's thread only while it has tasks queued. */
+typedef struct Acc {
+    PyObject_HEAD
+    float *buf;        /* NULL once given back */
+    Py_ssize_t numel;
+    PyObject *weakrefs;
+} Acc;
+
+static PyTypeObject AccType;
 
 typedef struct {
     task_t *items;
@@ -58,6 +73,8 @@ typedef struct {
     Py_ssize_t queued_bytes;
     int sleeping;
     pthread_cond_t ready;
+    float *spare;             /* one accumulator's memory kept for the next chunk (its thread's) */
+    Py_ssize_t spare_numel;
 } partition_t;
 
 typedef struct {
@@ -99,27 +116,56 @@ static void f32_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t p) 
     memcpy(dst, src, (size_t)n * 4);
 }
 
+/* Spares larger than this are freed instead (they are not counted in the
+ * daemon's memory budget: at most one per summing thread). */
+#define SPARE_NUMEL_AT_MOST (4 << 20)  /* 16 MiB of float32 */
+
 static void release_task(task_t *t) {  /* with the GIL */
-    if (t->has_acc) PyBuffer_Release(&t->acc);
     if (t->has_wire) PyBuffer_Release(&t->wire);
-    t->has_acc = t->has_wire = 0;
+    t->has_wire = 0;
+    Py_CLEAR(t->acc);
     Py_CLEAR(t->done);
 }
 
-static void run_sum(Pool *p, task_t *t) {
+/* The chunk is done with its accumulator: its memory becomes the spare. */
+static void give_back(partition_t *part, Acc *a) {
+    if (a->buf == NULL) return;
+    if (a->numel <= SPARE_NUMEL_AT_MOST) {
+        free(part->spare);
+        part->spare = a->buf;
+        part->spare_numel = a->numel;
+    } else {
+        free(a->buf);
+    }
+    a->buf = NULL;
+}
+
+static void run_sum(Pool *p, partition_t *part, task_t *t) {
     const rw_codec *c = &p->codecs[t->codec];
-    float *acc = (float *)t->acc.buf;
+    Acc *a = t->acc;
+    if (a == NULL) return;  /* a mark alone */
+    if (t->kind == TASK_MARK) {
+        give_back(part, a);
+        return;
+    }
+    if (t->kind == TASK_COPY && part->spare != NULL && part->spare_numel == a->numel) {
+        float *fresh = a->buf;  /* never touched: it waits as the spare instead */
+        a->buf = part->spare;
+        part->spare = fresh;
+    }
+    float *acc = a->buf;
     switch (t->kind) {
-    case TASK_COPY: c->widen((const char *)t->wire.buf, acc, t->numel, t->param); break;
-    case TASK_ADD: c->add(acc, (const char *)t->wire.buf, t->numel, t->param); break;
+    case TASK_COPY: c->widen((const char *)t->wire.buf, acc, a->numel, t->param); break;
+    case TASK_ADD: c->add(acc, (const char *)t->wire.buf, a->numel, t->param); break;
     case TASK_FINISH:
         if (t->divisor > 0) {
             float d = t->divisor;
-            for (Py_ssize_t i = 0; i < t->numel; i++) acc[i] = acc[i] / d;
+            for (Py_ssize_t i = 0; i < a->numel; i++) acc[i] = acc[i] / d;
         }
-        c->narrow(acc, (char *)t->wire.buf, t->numel, t->param);
+        c->narrow(acc, (char *)t->wire.buf, a->numel, t->param);
+        give_back(part, a);
         break;
-    default: break;  /* TASK_MARK */
+    default: break;
     }
 }
 
@@ -202,7 +248,7 @@ static void *worker_main(void *raw) {
             run_call(&t);
             ts = PyEval_SaveThread();
         } else {
-            run_sum(p, &t);
+            run_sum(p, part, &t);
         }
         pthread_mutex_lock(&p->lock);
         if (t.kind != TASK_CALL) {
@@ -418,38 +464,35 @@ static int check_codec(Pool *p, int codec) {
     return 0;
 }
 
-/* submit_sum(partition, kind, acc, wire, codec, param, numel, nbytes, done) -> bool */
+/* submit_sum(partition, kind, acc, wire, codec, param, nbytes, done[, divisor]) -> bool */
 static PyObject *Pool_submit_sum(Pool *p, PyObject *args) {
     task_t t = {0};
     int partition;
     float divisor = 0;
-    PyObject *acc, *wire;
-    if (!PyArg_ParseTuple(args, "iiOOinnnO|f", &partition, &t.kind, &acc, &wire, &t.codec,
-                          &t.param, &t.numel, &t.nbytes, &t.done, &divisor))
+    PyObject *wire;
+    Acc *acc;
+    if (!PyArg_ParseTuple(args, "iiO!OinnO|f", &partition, &t.kind, &AccType, &acc, &wire,
+                          &t.codec, &t.param, &t.nbytes, &t.done, &divisor))
         return NULL;
     if (t.kind < TASK_COPY || t.kind > TASK_FINISH || check_codec(p, t.codec) < 0) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "task kind %d", t.kind);
         return NULL;
     }
-    t.divisor = divisor;
-    Py_INCREF(t.done);
-    if (PyObject_GetBuffer(acc, &t.acc, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        release_task(&t);
+    if (acc->buf == NULL) {
+        PyErr_SetString(PyExc_ValueError, "submit_sum: the accumulator was given back");
         return NULL;
     }
-    t.has_acc = 1;
+    t.divisor = divisor;
+    Py_INCREF(t.done);
+    Py_INCREF(acc);
+    t.acc = acc;
+    t.numel = acc->numel;
     int flags = t.kind == TASK_FINISH ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
     if (PyObject_GetBuffer(wire, &t.wire, flags) < 0) {
         release_task(&t);
         return NULL;
     }
     t.has_wire = 1;
-    if (t.numel < 0 || t.acc.len != 4 * t.numel || (uintptr_t)t.acc.buf % 4) {
-        PyErr_Format(PyExc_ValueError, "submit_sum: the accumulator of %zd bytes is not %zd "
-                     "aligned float32 elements", t.acc.len, t.numel);
-        release_task(&t);
-        return NULL;
-    }
     Py_ssize_t expect = wire_nbytes(t.codec, t.numel, t.param);
     if (expect < 0 || t.wire.len != expect) {
         PyErr_Format(PyExc_ValueError, "submit_sum: %zd wire bytes for %zd elements of codec "
@@ -461,14 +504,89 @@ static PyObject *Pool_submit_sum(Pool *p, PyObject *args) {
     return queued(p, partition, &t);
 }
 
+/* submit_mark(partition, done[, acc]) -> bool: with acc, its memory is given
+ * back once the tasks queued before ran (a chunk that failed). */
 static PyObject *Pool_submit_mark(Pool *p, PyObject *args) {
     task_t t = {0};
     int partition;
-    if (!PyArg_ParseTuple(args, "iO", &partition, &t.done)) return NULL;
+    Acc *acc = NULL;
+    if (!PyArg_ParseTuple(args, "iO|O!", &partition, &t.done, &AccType, &acc)) return NULL;
     t.kind = TASK_MARK;
     Py_INCREF(t.done);
+    Py_XINCREF(acc);
+    t.acc = acc;
     return queued(p, partition, &t);
 }
+
+static PyObject *Pool_new_accumulator(Pool *p, PyObject *arg) {
+    Py_ssize_t numel = PyLong_AsSsize_t(arg);
+    if (numel == -1 && PyErr_Occurred()) return NULL;
+    if (numel < 0) {
+        PyErr_Format(PyExc_ValueError, "new_accumulator: %zd elements", numel);
+        return NULL;
+    }
+    Acc *a = PyObject_New(Acc, &AccType);
+    if (a == NULL) return NULL;
+    a->weakrefs = NULL;
+    a->numel = numel;
+    /* Not touched here: its first task writes it (or swaps in the spare). */
+    if (posix_memalign((void **)&a->buf, 64, (size_t)(numel ? numel : 1) * 4)) {
+        a->buf = NULL;
+        Py_DECREF(a);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)a;
+}
+
+static PyObject *get_spare_bytes(Pool *p, void *c) {
+    Py_ssize_t total = 0;
+    pthread_mutex_lock(&p->lock);  /* a worker swaps spares under no lock: a hint */
+    for (int i = 0; i < p->threads; i++)
+        if (p->parts[i].spare != NULL) total += 4 * p->parts[i].spare_numel;
+    pthread_mutex_unlock(&p->lock);
+    return PyLong_FromSsize_t(total);
+}
+
+/* ---- the accumulator's Python type: its float32 memory as a buffer ---- */
+
+static int Acc_getbuffer(Acc *a, Py_buffer *view, int flags) {
+    if (a->buf == NULL) {
+        PyErr_SetString(PyExc_BufferError, "the accumulator was given back");
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)a, a->buf, 4 * a->numel, 0, flags);
+}
+
+static PyBufferProcs acc_buffer = {(getbufferproc)Acc_getbuffer, NULL};
+
+static void Acc_dealloc(Acc *a) {
+    if (a->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)a);
+    free(a->buf);
+    PyObject_Free(a);
+}
+
+static PyObject *Acc_numel(Acc *a, void *c) { return PyLong_FromSsize_t(a->numel); }
+static PyObject *Acc_nbytes(Acc *a, void *c) { return PyLong_FromSsize_t(4 * a->numel); }
+static PyObject *Acc_held(Acc *a, void *c) { return PyBool_FromLong(a->buf != NULL); }
+
+static PyGetSetDef acc_getset[] = {
+    {"size", (getter)Acc_numel, NULL, "float32 elements", NULL},
+    {"nbytes", (getter)Acc_nbytes, NULL, "bytes", NULL},
+    {"held", (getter)Acc_held, NULL, "whether it still holds its memory", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject AccType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "reducerd._sumpool.Accumulator",
+    .tp_basicsize = sizeof(Acc),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A chunk's float32 accumulator (Pool.new_accumulator); a buffer while held.",
+    .tp_dealloc = (destructor)Acc_dealloc,
+    .tp_as_buffer = &acc_buffer,
+    .tp_getset = acc_getset,
+    .tp_weaklistoffset = offsetof(Acc, weakrefs),
+};
 
 static PyObject *Pool_submit_call(Pool *p, PyObject *args) {
     task_t t = {0};
@@ -596,6 +714,7 @@ static void Pool_dealloc(Pool *p) {
             for (size_t k = 0; k < part->count; k++)
                 release_task(&part->items[(part->head + k) % part->cap]);
             free(part->items);
+            free(part->spare);
             pthread_cond_destroy(&part->ready);
         }
     }
@@ -616,7 +735,9 @@ static PyMethodDef pool_methods[] = {
      "submit_sum(partition, kind, acc, wire, codec, param, numel, nbytes, done[, divisor]) "
      "-> bool (False: the pool is closed)."},
     {"submit_mark", (PyCFunction)Pool_submit_mark, METH_VARARGS,
-     "submit_mark(partition, done) -> bool."},
+     "submit_mark(partition, done[, acc]) -> bool."},
+    {"new_accumulator", (PyCFunction)Pool_new_accumulator, METH_O,
+     "new_accumulator(numel) -> Accumulator: float32 memory, not touched yet."},
     {"submit_call", (PyCFunction)Pool_submit_call, METH_VARARGS,
      "submit_call(partition, fn, args, nbytes) -> bool: fn(*args) with the GIL."},
     {"take_done", (PyCFunction)Pool_take_done, METH_NOARGS,
@@ -633,6 +754,7 @@ static PyGetSetDef pool_getset[] = {
     {"pending", (getter)get_pending, NULL, "tasks queued or running", NULL},
     {"queued_bytes", (getter)get_queued, NULL, "input queued", NULL},
     {"started", (getter)get_started, NULL, "whether the threads run", NULL},
+    {"spare_bytes", (getter)get_spare_bytes, NULL, "accumulator memory kept as spares", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -653,7 +775,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__sumpool(void) {
-    if (PyType_Ready(&PoolType) < 0) return NULL;
+    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&AccType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&PoolType);

@@ -48,6 +48,8 @@ __all__ = ["ChunkSums", "PooledSums", "narrow_result"]
 
 log = logging.getLogger("reducerd")
 
+_NO_ARRAY = np.empty(0, np.float32)  # a C-summed chunk's acc: the pool holds the real one
+
 
 def narrow_result(cid: ChunkId, chunk: OpenChunk) -> Reply:
     """The chunk's reply: MEAN divided, the float32 sum rounded once into it."""
@@ -72,11 +74,13 @@ class ChunkSums:
     None: the result once more; or the error to send it instead).
     """
 
-    __slots__ = ("cid", "chunk", "partition", "in_c", "fault", "cancelled", "ended", "resends")
+    __slots__ = ("cid", "chunk", "partition", "acc", "fault", "cancelled", "ended", "resends")
 
-    def __init__(self, cid: ChunkId, chunk: OpenChunk, partition: int, in_c: bool) -> None:
+    def __init__(self, cid: ChunkId, chunk: OpenChunk, partition: int, acc: Any) -> None:
         self.cid, self.chunk, self.partition = cid, chunk, partition
-        self.in_c = in_c  # its tasks are the C pool's sums (CSummingPool), not Python calls
+        # The C pool's accumulator when its tasks are C sums (CSummingPool; the
+        # chunk's own acc is then empty), else None: Python tasks into chunk.acc.
+        self.acc = acc
         self.fault: BaseException | None = None
         self.cancelled = False
         self.ended = False
@@ -101,10 +105,21 @@ class PooledSums:
         (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline."""
         return len(part.data) >= self.pool.min_chunk_bytes
 
+    def sums_in_c(self, part: Contribution) -> bool:
+        """Whether the chunk `part` opens is summed by the C pool's C tasks."""
+        return self._c_pool is not None and self._c_pool.sums_in_c(part.dtype)
+
+    def array_for(self, part: Contribution) -> np.ndarray:
+        """The table's accumulator array for a pooled chunk: empty where the C
+        pool holds the accumulator (ChunkSums.acc)."""
+        return _NO_ARRAY if self.sums_in_c(part) else np.empty(part.numel, np.float32)
+
     def open(self, cid: ChunkId, chunk: OpenChunk, part: Contribution) -> None:
         """Queue the chunk's first contribution (copied into its accumulator)."""
-        in_c = self._c_pool is not None and self._c_pool.sums_in_c(part.dtype)
-        sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition(), in_c)
+        c_pool = self._c_pool
+        c_acc = (c_pool.new_accumulator(chunk.numel)
+                 if c_pool is not None and c_pool.sums_in_c(part.dtype) else None)
+        sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition(), c_acc)
         try:
             self._queue(sums, self._copy, part, COPY)
         except BaseException:
@@ -119,7 +134,7 @@ class PooledSums:
         sums: ChunkSums = chunk.sums
         sums.ended = True
         try:
-            if sums.in_c:
+            if sums.acc is not None:
                 self._finish_in_c(sums)
             else:
                 self.pool.submit(sums.partition, self._finish, sums)
@@ -159,13 +174,13 @@ class PooledSums:
             return
         sums.ended = True
         try:
-            if self._c_pool is not None and sums.in_c:
+            if self._c_pool is not None and sums.acc is not None:
                 self._c_pool.submit_mark(sums.partition, (self.budget.give_accumulator,
-                                                          chunk.acc.nbytes))
+                                                          sums.acc.nbytes), sums.acc)
             else:
                 self.pool.submit(sums.partition, self._discard, sums)
         except PoolClosed:  # no thread will touch it any more
-            self.budget.give_accumulator(chunk.acc.nbytes)
+            self.budget.give_accumulator(4 * chunk.numel)
 
     def _queue(self, sums: ChunkSums, task: Any, part: Contribution, kind: int) -> None:
         # The received data stays alive (and counted, against its job's share
@@ -173,9 +188,9 @@ class PooledSums:
         nbytes, job = len(part.data), sums.cid.job
         self.budget.take_transport(nbytes, job)
         try:
-            if self._c_pool is not None and sums.in_c:
-                self._c_pool.submit_sum(sums.partition, kind, sums.chunk.acc, part.data,
-                                        part.dtype, (self.budget.give_transport, nbytes, job))
+            if self._c_pool is not None and sums.acc is not None:
+                self._c_pool.submit_sum(sums.partition, kind, sums.acc, part.data, part.dtype,
+                                        (self.budget.give_transport, nbytes, job))
             else:
                 self.pool.submit(sums.partition, task, sums, part.data, part.dtype, nbytes,
                                  nbytes=nbytes)
@@ -190,9 +205,9 @@ class PooledSums:
         cid, chunk = sums.cid, sums.chunk
         reply = empty_result_reply(job=cid.job, key=cid.key, round=cid.round,
                                    offset=cid.offset, dtype=chunk.dtype, op=chunk.op,
-                                   world_size=chunk.world_size, numel=chunk.acc.size)
+                                   world_size=chunk.world_size, numel=chunk.numel)
         divisor = chunk.world_size if chunk.op == pb.REDUCE_OP_MEAN else 0
-        self._c_pool.submit_finish(sums.partition, chunk.acc, reply.payload, chunk.dtype,
+        self._c_pool.submit_finish(sums.partition, sums.acc, reply.payload, chunk.dtype,
                                    divisor, (self._landed, sums, reply))
 
     def reclaim(self) -> None:
@@ -207,7 +222,7 @@ class PooledSums:
 
     def _landed(self, sums: ChunkSums, reply: Reply) -> None:
         """A C finish ran (on the loop thread): the room back, the result landed."""
-        self.budget.give_accumulator(sums.chunk.acc.nbytes)
+        self.budget.give_accumulator(4 * sums.chunk.numel)
         if sums.cancelled:
             return
         if self._defer_results:
@@ -246,10 +261,10 @@ class PooledSums:
         except Exception as exc:
             self._fault(sums, exc)
         finally:  # the last task of the chunk: no thread writes the accumulator now
-            self.budget.give_accumulator(sums.chunk.acc.nbytes)
+            self.budget.give_accumulator(4 * sums.chunk.numel)
 
     def _discard(self, scratch: accumulate.WideningBuffer, sums: ChunkSums) -> None:
-        self.budget.give_accumulator(sums.chunk.acc.nbytes)
+        self.budget.give_accumulator(4 * sums.chunk.numel)
 
     def _fault(self, sums: ChunkSums, exc: Exception) -> None:
         """Our own bug (or MemoryError): log it with its traceback, fail the chunk

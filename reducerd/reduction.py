@@ -269,10 +269,9 @@ class ReductionTable:
 
     def _reclaimed(self, nbytes: int) -> bool:
         """Room for an accumulator once the loop took back what finished C sums freed."""
-        if self._pooled is None:
-            return False
-        self._pooled.reclaim()
-        return self.budget.take_accumulator(nbytes)
+        if self._pooled is not None:
+            self._pooled.reclaim()
+        return self._pooled is not None and self.budget.take_accumulator(nbytes)
 
     def _open_chunk(self, cid: ChunkId, part: Contribution, sink: Hashable,
                     now: float, job: JobStats) -> list[Delivery]:
@@ -293,12 +292,13 @@ class ReductionTable:
             return [self._fail(cid, RESOURCE_EXHAUSTED, message, (sink,), part)]
         chunk: OpenChunk | None = None
         try:
-            acc = np.empty(part.numel, dtype=np.float32)
+            pooled = self._pooled if self._pooled is not None and self._pooled.takes(part) else None
+            acc = pooled.array_for(part) if pooled else np.empty(part.numel, dtype=np.float32)
             chunk = OpenChunk(first_rank=part.rank, world_size=part.world_size,
                               dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
                               started_s=now, ranks={part.rank}, sinks={sink: None})
-            if self._pooled is not None and self._pooled.takes(part):
-                self._pooled.open(cid, chunk, part)  # its last task gives the room back
+            if pooled:
+                pooled.open(cid, chunk, part)  # its last task gives the room back
             else:
                 accumulate.copy_wire_into(acc, part.data, part.dtype)
         except BaseException:
@@ -386,7 +386,7 @@ class ReductionTable:
     def _release(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> None:
         if self._open.pop(cid, None) is not None:
             if chunk.sums is None:
-                self.budget.give_accumulator(chunk.acc.nbytes)
+                self.budget.give_accumulator(4 * chunk.numel)
             else:  # its summing thread gives the room back after its last task
                 assert self._pooled is not None
                 self._pooled.release(chunk)

@@ -128,29 +128,43 @@ class CSummingPool:
         NumPy's, as Python tasks: the daemon's wire_numpy setting)."""
         return dtype in _CODECS and convert.accelerated()
 
+    def new_accumulator(self, numel: int) -> Any:
+        """A chunk's float32 accumulator for the C tasks (reducerd._sumpool.
+        Accumulator): memory the pool owns, not touched until its first task,
+        which may swap in its thread's spare; given back by its finish or a
+        mark. A buffer (np.frombuffer) while held and none of its tasks queued."""
+        return self._c.new_accumulator(numel)
+
     def submit_sum(self, partition: int, kind: int, acc: Any, data: Any, dtype: int,
                    done: tuple[Any, ...]) -> None:
         """Queue COPY (data widened into acc) or ADD (data added to acc) in C;
         the loop runs done[0](*done[1:]) once it ran (the data is held till then)."""
         codec, param = _CODECS[dtype]
-        nbytes = len(data)
-        if not self._c.submit_sum(partition, kind, acc, data, codec, param, acc.size, nbytes,
-                                  done):
+        if not self._c.submit_sum(partition, kind, acc, data, codec, param, len(data), done):
             raise PoolClosed("the summing pool is closed (the daemon is stopping)")
 
     def submit_finish(self, partition: int, acc: Any, payload: Any, dtype: int,
                       divisor: int, done: tuple[Any, ...]) -> None:
         """Queue the finish: acc divided by `divisor` (0: not), rounded into
-        `payload` (the reply's data field); then done on the loop."""
+        `payload` (the reply's data field), its memory given back; then done."""
         codec, param = _CODECS[dtype]
-        if not self._c.submit_sum(partition, _FINISH, acc, payload, codec, param, acc.size, 0,
-                                  done, float(divisor)):
+        if not self._c.submit_sum(partition, _FINISH, acc, payload, codec, param, 0, done,
+                                  float(divisor)):
             raise PoolClosed("the summing pool is closed (the daemon is stopping)")
 
-    def submit_mark(self, partition: int, done: tuple[Any, ...]) -> None:
-        """Queue nothing but `done`, run on the loop once the earlier tasks ran."""
-        if not self._c.submit_mark(partition, done):
+    def submit_mark(self, partition: int, done: tuple[Any, ...], acc: Any = None) -> None:
+        """Queue nothing but `done`, run on the loop once the earlier tasks ran;
+        with `acc`, its memory is given back then (a chunk that failed)."""
+        queued = (self._c.submit_mark(partition, done) if acc is None
+                  else self._c.submit_mark(partition, done, acc))
+        if not queued:
             raise PoolClosed("the summing pool is closed (the daemon is stopping)")
+
+    @property
+    def spare_bytes(self) -> int:
+        """Accumulator memory the threads keep for their next chunks (one each at
+        most, not counted in the memory budget)."""
+        return int(self._c.spare_bytes)
 
     def drain(self) -> None:
         """Run the done tuples of the sums finished so far (the loop thread)."""

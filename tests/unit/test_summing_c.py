@@ -21,7 +21,7 @@ from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.summing_c import ADD, CSummingPool, _sumpool
+from reducerd.summing_c import ADD, COPY, CSummingPool, _sumpool
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(_sumpool is None, reason="reducerd._sumpool not built")]
@@ -106,14 +106,14 @@ def test_c_sums_finish_while_the_loop_thread_holds_the_gil(c_pool):
     watched = []
     pool.start(lambda fn, *args: None, add_reader=lambda fd, cb: watched.append((fd, cb)))
     try:
-        acc = np.zeros(1 << 16, np.float32)
+        acc = pool.new_accumulator(1 << 16)
         data = convert.to_wire(np.ones(acc.size, np.float32), pb.DTYPE_FLOAT16).tobytes()
         done: list = []
         previous = sys.getswitchinterval()
         sys.setswitchinterval(100.0)
         try:
-            for _ in range(64):
-                pool.submit_sum(0, ADD, acc, data, pb.DTYPE_FLOAT16, (done.append, 1))
+            for kind in [COPY] + [ADD] * 63:
+                pool.submit_sum(0, kind, acc, data, pb.DTYPE_FLOAT16, (done.append, 1))
             deadline = time.monotonic() + 5.0
             while pool.pending and time.monotonic() < deadline:
                 pass  # never releases the GIL
@@ -124,7 +124,7 @@ def test_c_sums_finish_while_the_loop_thread_holds_the_gil(c_pool):
         (fd, callback), = watched
         assert fd == pool._c.fileno()
         callback()  # what the loop runs when the eventfd is readable
-        assert done == [1] * 64 and np.all(acc == 64.0)
+        assert done == [1] * 64 and np.all(np.frombuffer(acc, np.float32) == 64.0)
     finally:
         assert pool.close(WAIT_S)
 
@@ -188,16 +188,46 @@ def test_fail_all_with_a_c_finish_queued_delivers_only_the_failure(c_pool):
     assert delivered == [] and table.bytes_held == 0 and table.budget.transport_bytes == 0
 
 
-def test_a_sum_of_the_wrong_size_is_refused_at_submit(c_pool):
-    pool, _ = c_pool(1)
-    acc = np.zeros(100, np.float32)
+def test_a_sum_of_the_wrong_size_or_kind_is_refused_at_submit(c_pool):
+    pool, run = c_pool(1)
+    acc = pool.new_accumulator(100)
     with pytest.raises(ValueError, match="199 wire bytes for 100 elements"):
         pool.submit_sum(0, ADD, acc, b"\0" * 199, pb.DTYPE_FLOAT16, (print,))
-    with pytest.raises(ValueError, match="not 100 aligned float32 elements"):
-        pool._c.submit_sum(0, ADD, acc[1:], b"\0" * 200, 1, 0, 100, 200, (print,))
+    with pytest.raises(TypeError, match="Accumulator"):
+        pool.submit_sum(0, ADD, np.zeros(100, np.float32), b"\0" * 200, pb.DTYPE_FLOAT16,
+                        (print,))
     with pytest.raises(ValueError, match="partition 3: the pool has 1"):
         pool.submit_sum(3, ADD, acc, b"\0" * 200, pb.DTYPE_FLOAT16, (print,))
     assert pool.pending == 0 and pool.queued_bytes == 0
+    pool.submit_mark(0, (len, ()), acc)  # given back: nothing more can be queued on it
+    run()
+    assert not acc.held
+    with pytest.raises(ValueError, match="given back"):
+        pool.submit_sum(0, ADD, acc, b"\0" * 200, pb.DTYPE_FLOAT16, (print,))
+    with pytest.raises(BufferError):
+        memoryview(acc)
+
+
+def test_each_thread_keeps_one_spare_accumulator_and_the_next_chunk_takes_it(c_pool):
+    """A finished chunk's accumulator stays with its thread (one at most, not
+    counted in the budget) and the next chunk of that size there starts in it:
+    the copy into it writes memory that core has in its cache."""
+    pool, run = c_pool(1)
+    data = convert.to_wire(np.full(4096, 2.0, np.float32), pb.DTYPE_FLOAT16).tobytes()
+    payload = bytearray(len(data))
+    sizes_kept = []
+    for _ in range(3):
+        acc = pool.new_accumulator(4096)
+        pool.submit_sum(0, COPY, acc, data, pb.DTYPE_FLOAT16, (len, ()))
+        pool.submit_finish(0, acc, payload, pb.DTYPE_FLOAT16, 0, (len, ()))
+        run()
+        assert not acc.held and np.all(np.frombuffer(payload, np.float16) == 2.0)
+        sizes_kept.append(pool.spare_bytes)
+    assert sizes_kept == [4096 * 4] * 3  # one spare, not one per chunk
+    huge = pool.new_accumulator(5 << 20)  # above the spares' limit: freed, not kept
+    pool.submit_mark(0, (len, ()), huge)
+    run()
+    assert not huge.held and pool.spare_bytes == 4096 * 4
 
 
 def test_room_freed_by_finished_c_sums_admits_a_chunk_before_the_loop_took_it():
