@@ -118,7 +118,7 @@ static void f32_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t p) 
 
 /* Spares larger than this are freed instead (they are not counted in the
  * daemon's memory budget: at most one per summing thread). */
-#define SPARE_NUMEL_AT_MOST (4 << 20)  /* 16 MiB of float32 */
+#define SPARE_NUMEL_AT_MOST (1 << 20)  /* 4 MiB of float32: a 1 MiB chunk of any wire */
 
 static void release_task(task_t *t) {  /* with the GIL */
     if (t->has_wire) PyBuffer_Release(&t->wire);

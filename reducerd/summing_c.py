@@ -162,8 +162,9 @@ class CSummingPool:
 
     @property
     def spare_bytes(self) -> int:
-        """Accumulator memory the threads keep for their next chunks (one each at
-        most, not counted in the memory budget)."""
+        """Accumulator memory the threads keep for their next chunks: one each at
+        most, of 4 MiB at most (a 1 MiB chunk of any wire dtype), not counted
+        in the memory budget."""
         return int(self._c.spare_bytes)
 
     def drain(self) -> None:

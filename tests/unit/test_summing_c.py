@@ -224,7 +224,7 @@ def test_each_thread_keeps_one_spare_accumulator_and_the_next_chunk_takes_it(c_p
         assert not acc.held and np.all(np.frombuffer(payload, np.float16) == 2.0)
         sizes_kept.append(pool.spare_bytes)
     assert sizes_kept == [4096 * 4] * 3  # one spare, not one per chunk
-    huge = pool.new_accumulator(5 << 20)  # above the spares' limit: freed, not kept
+    huge = pool.new_accumulator((1 << 20) + 1)  # above the spares' 4 MiB: freed, not kept
     pool.submit_mark(0, (len, ()), huge)
     run()
     assert not huge.held and pool.spare_bytes == 4096 * 4
