@@ -143,7 +143,7 @@ static void give_back(partition_t *part, Acc *a) {
 static void run_sum(Pool *p, partition_t *part, task_t *t) {
     const rw_codec *c = &p->codecs[t->codec];
     Acc *a = t->acc;
-    if (a == NULL) return;  /* a mark alone */
+    if (a == NULL || a->buf == NULL) return;  /* a mark alone; or given back (never queued so) */
     if (t->kind == TASK_MARK) {
         give_back(part, a);
         return;
