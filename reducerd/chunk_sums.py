@@ -5,7 +5,11 @@ finish, release) and this module queues it on the chunk's partition of the
 SummingPool; on the chunk's summing thread the tasks copy or add the wire
 data into its float32 accumulator, and the finish divides (MEAN) and narrows
 the result into its reply message, then posts it back to the table
-(ReductionTable.land_result), which caches and delivers it.
+(ReductionTable.land_result), which caches and delivers it. On the daemon's
+CSummingPool (reducerd.summing_c) these are C tasks, on an accumulator the
+pool owns (ChunkSums.acc), and what follows them (the room back, the
+landing) runs when the loop takes their done tuples; with SummingPool, or
+without the C kernels, they are the Python tasks below.
 
 An accumulator lives as long as some thread may write it: every chunk gets
 exactly one last task (the finish, or a discard queued when the chunk fails
