@@ -20,9 +20,10 @@ setup(ext_modules=[
               depends=["protos/python/reducer_wire/_fpmode.h",
                        "protos/python/reducer_wire/_api.h"],
               extra_compile_args=["-O3"], libraries=["m"], optional=True),
-    Extension("reducerd._sumpool", ["reducerd/_sumpool.c"],
-              depends=["protos/python/reducer_wire/_api.h"],
-              extra_compile_args=["-O3"], optional=True),
+    Extension("reducerd._sumpool", ["reducerd/_sumpool.c", "reducerd/_sumpool_threads.c",
+                                    "reducerd/_sumpool_tasks.c"],
+              depends=["reducerd/_sumpool.h", "protos/python/reducer_wire/_api.h"],
+              extra_compile_args=["-O3", "-fvisibility=hidden"], optional=True),
     Extension("reducer_wire._codec", ["protos/python/reducer_wire/_codec.c"],
               extra_compile_args=["-O2"], optional=True),
 ])

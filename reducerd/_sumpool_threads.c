@@ -1,0 +1,187 @@
+/* The summing threads (see _sumpool.c): each takes its partition's tasks in
+ * order, runs a sum without the GIL (a Python call with it), and hands the
+ * finished sum to the done list, waking the loop when that list was empty.
+ * A chunk's accumulator is touched only here while it has tasks queued: its
+ * first task may swap in the partition's spare, its finish (or a mark) hands
+ * its memory back as the spare. */
+#include "_sumpool.h"
+
+static void f32_widen(const char *src, float *dst, Py_ssize_t n, Py_ssize_t p) {
+    (void)p;
+    memcpy(dst, src, (size_t)n * 4);
+}
+
+static void f32_add(float *acc, const char *src, Py_ssize_t n, Py_ssize_t p) {
+    (void)p;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float v;
+        memcpy(&v, src + 4 * i, 4);
+        acc[i] += v;
+    }
+}
+
+static void f32_narrow(const float *src, char *dst, Py_ssize_t n, Py_ssize_t p) {
+    (void)p;
+    memcpy(dst, src, (size_t)n * 4);
+}
+
+const rw_codec sp_float32_codec = {f32_widen, f32_add, f32_narrow};
+
+
+void sp_release_task(task_t *t) {  /* with the GIL */
+    if (t->has_wire) PyBuffer_Release(&t->wire);
+    t->has_wire = 0;
+    Py_CLEAR(t->acc);
+    Py_CLEAR(t->done);
+}
+
+/* The chunk is done with its accumulator: its memory becomes the spare. */
+static void give_back(partition_t *part, Acc *a) {
+    if (a->buf == NULL) return;
+    if (a->numel <= SPARE_NUMEL_AT_MOST) {
+        free(part->spare);
+        part->spare = a->buf;
+        part->spare_numel = a->numel;
+    } else {
+        free(a->buf);
+    }
+    a->buf = NULL;
+}
+
+static void run_sum(Pool *p, partition_t *part, task_t *t) {
+    const rw_codec *c = &p->codecs[t->codec];
+    Acc *a = t->acc;
+    if (a == NULL || a->buf == NULL) return;  /* a mark alone; or given back (never queued so) */
+    if (t->kind == TASK_MARK) {
+        give_back(part, a);
+        return;
+    }
+    if (t->kind == TASK_COPY && part->spare != NULL && part->spare_numel == a->numel) {
+        float *fresh = a->buf;  /* never touched: it waits as the spare instead */
+        a->buf = part->spare;
+        part->spare = fresh;
+    }
+    float *acc = a->buf;
+    switch (t->kind) {
+    case TASK_COPY: c->widen((const char *)t->wire.buf, acc, a->numel, t->param); break;
+    case TASK_ADD: c->add(acc, (const char *)t->wire.buf, a->numel, t->param); break;
+    case TASK_FINISH:
+        if (t->divisor > 0) {
+            float d = t->divisor;
+            for (Py_ssize_t i = 0; i < a->numel; i++) acc[i] = acc[i] / d;
+        }
+        c->narrow(acc, (char *)t->wire.buf, a->numel, t->param);
+        give_back(part, a);
+        break;
+    default: break;
+    }
+}
+
+static void run_call(task_t *t) {  /* with the GIL */
+    PyObject *fn = PyTuple_GET_ITEM(t->done, 0), *args = PyTuple_GET_ITEM(t->done, 1);
+    PyObject *r = PyObject_CallObject(fn, args);
+    if (r == NULL) PyErr_WriteUnraisable(fn);
+    Py_XDECREF(r);
+    Py_CLEAR(t->done);
+}
+
+/* Wake the loop for the done list (called without the lock); *ts is the
+ * worker's thread state, for the GIL. */
+static void wake_loop(Pool *p, PyThreadState **ts) {
+    if (p->watched) {
+        uint64_t one = 1;
+        ssize_t ignored = write(p->efd, &one, sizeof one);
+        (void)ignored;
+        return;
+    }
+    PyEval_RestoreThread(*ts);
+    if (p->notify != NULL) {
+        PyObject *r = PyObject_CallNoArgs(p->notify);
+        if (r == NULL) PyErr_WriteUnraisable(p->notify);
+        Py_XDECREF(r);
+    }
+    *ts = PyEval_SaveThread();
+}
+
+/* Take the partition's next task into *out; 0 once stopped and empty. */
+static int next_task(Pool *p, partition_t *part, task_t *out) {
+    pthread_mutex_lock(&p->lock);
+    while (part->count == 0 && !p->stop) {
+        part->sleeping = 1;
+        pthread_cond_wait(&part->ready, &p->lock);
+        part->sleeping = 0;
+    }
+    if (part->count == 0) {
+        pthread_mutex_unlock(&p->lock);
+        return 0;
+    }
+    *out = part->items[part->head];
+    part->head = (part->head + 1) % part->cap;
+    __atomic_store_n(&part->count, part->count - 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&p->lock);
+    return 1;
+}
+
+static int grow_done(Pool *p) {  /* with the lock */
+    if (p->done_count < p->done_cap) return 0;
+    size_t cap = p->done_cap ? 2 * p->done_cap : 64;
+    task_t *items = realloc(p->done, cap * sizeof *items);
+    if (items == NULL) return -1;
+    p->done = items;
+    p->done_cap = cap;
+    return 0;
+}
+
+void *sp_worker_main(void *raw) {
+    worker_arg a = *(worker_arg *)raw;
+    free(raw);
+    Pool *p = a.pool;
+    partition_t *part = &p->parts[a.index];
+    char name[24];  /* cut to 15 characters: the kernel's limit */
+    snprintf(name, sizeof name, "reducerd-sum-%d", a.index);
+    name[15] = 0;
+    pthread_setname_np(pthread_self(), name);
+    /* One thread state for the thread's life (not one per Python task). */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyThreadState *ts = PyEval_SaveThread();
+    pthread_mutex_lock(&p->lock);
+    p->ready++;  /* start() returns once every thread has its state: none needs the GIL later */
+    pthread_cond_broadcast(&p->changed);
+    pthread_mutex_unlock(&p->lock);
+    task_t t;
+    while (next_task(p, part, &t)) {
+        int wake = 0;
+        if (t.kind == TASK_CALL) {
+            PyEval_RestoreThread(ts);
+            run_call(&t);
+            ts = PyEval_SaveThread();
+        } else {
+            run_sum(p, part, &t);
+        }
+        pthread_mutex_lock(&p->lock);
+        if (t.kind != TASK_CALL) {
+            while (grow_done(p) < 0) {  /* out of memory: wait for the loop to take some */
+                pthread_mutex_unlock(&p->lock);
+                usleep(1000);
+                pthread_mutex_lock(&p->lock);
+            }
+            p->done[p->done_count++] = t;
+            if (!p->signaled) p->signaled = wake = 1;
+        }
+        pthread_mutex_unlock(&p->lock);
+        if (wake) wake_loop(p, &ts);  /* before the task counts as finished (wait_idle) */
+        pthread_mutex_lock(&p->lock);
+        part->queued_bytes -= t.nbytes;
+        p->queued_bytes -= t.nbytes;
+        p->pending--;
+        if (p->waiters) pthread_cond_broadcast(&p->changed);
+        pthread_mutex_unlock(&p->lock);
+    }
+    PyEval_RestoreThread(ts);
+    PyGILState_Release(gil);
+    pthread_mutex_lock(&p->lock);
+    p->live--;
+    pthread_cond_broadcast(&p->changed);
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
