@@ -7,10 +7,13 @@ VENV := .venv
 VENV_MX := .venv-mxnet
 STAMP := $(VENV)/.installed
 STAMP_MX := $(VENV_MX)/.installed
-# The C conversions and 8-bit formats (setup.py): rebuilt in place when their source changes.
+# The C conversions, 8-bit formats and the daemon's summing pool (setup.py): rebuilt in place
+# when their source changes.
 FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_quant.c \
 	protos/python/reducer_wire/_fpmode.h \
-	protos/python/reducer_wire/_codec.c
+	protos/python/reducer_wire/_codec.c protos/python/reducer_wire/_api.h \
+	reducerd/_sumpool.c reducerd/_sumpool_threads.c reducerd/_sumpool_tasks.c \
+	reducerd/_sumpool.h
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=

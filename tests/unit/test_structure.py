@@ -132,3 +132,20 @@ def test_c_kernels_are_built_and_current_where_a_compiler_is():
     if built.is_relative_to(ROOT):
         assert built.stat().st_mtime >= source.stat().st_mtime, (
             f"{built.name} is older than _kernels.c: run `make build`")
+
+
+def test_the_daemons_c_summing_pool_is_built_and_current_where_a_compiler_is():
+    """reducerd._sumpool is optional too (the Python SummingPool stands in), so
+    a failed or stale build would pass every test on the slower pool: fail here."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the Python summing pool is used")
+    from reducerd.summing_c import CSummingPool, _sumpool, summing_pool
+    assert _sumpool is not None, "reducerd._sumpool is missing: run `make build`"
+    assert isinstance(summing_pool(2), CSummingPool)
+    built = Path(_sumpool.__file__)
+    if built.is_relative_to(ROOT):
+        for source in sorted(DAEMON.glob("_sumpool*.[ch]")):
+            assert built.stat().st_mtime >= source.stat().st_mtime, (
+                f"{built.name} is older than {source.name}: run `make build`")
