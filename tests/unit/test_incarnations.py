@@ -9,6 +9,7 @@ dtype used here, so they are compared exactly.
 """
 
 import secrets
+import socket
 import threading
 import time
 
@@ -264,18 +265,24 @@ def test_each_client_instance_puts_its_own_random_id_in_every_shard(monkeypatch)
             super().__init__(**fields)
 
     monkeypatch.setattr(client_module, "ShardEncoder", Recording)
-    clients = [ReducerClient(["127.0.0.1:1", "127.0.0.1:2"], "J", 0, 2, timeout=0.2,
-                             chunk_bytes=64, node_local=False) for _ in range(2)]
+    # Daemons that take the connection and never answer: the operation cannot
+    # fail (a refused connection would) before all its chunks were encoded.
+    silent = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(2)]
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in silent]
+    clients = [ReducerClient(addresses, "J", 0, 2, timeout=5.0, chunk_bytes=64,
+                             node_local=False) for _ in range(2)]
     try:
         ids = [c.incarnation for c in clients]
         assert all(0 < i < 1 << 64 for i in ids) and ids[0] != ids[1]
         for c in clients:
             seen.clear()
-            c.allreduce_async(np.ones(100, np.float32), key="k")  # fails later: no daemon
+            c.allreduce_async(np.ones(100, np.float32), key="k")  # never answered
             assert len(seen) > 2 and set(seen) == {c.incarnation}
     finally:
         for c in clients:
             c.close()
+        for server in silent:
+            server.close()
 
 
 def test_the_eras_own_id_outside_its_world_is_no_restart():
