@@ -32,28 +32,43 @@
 
 /* ---- the Pool type ---- */
 
+/* A kernel module's C API capsule into *api; NULL where the module was not
+ * built (NumPy sums those dtypes, as Python tasks). -1 with an exception if
+ * it is there but does not match. Both APIs start with their version. */
+static int import_api(const char *module, const char *capsule, const void **api) {
+    *api = NULL;
+    PyObject *m = PyImport_ImportModule(module);
+    if (m == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(m);
+    *api = PyCapsule_Import(capsule, 0);
+    if (*api == NULL) return -1;
+    if (*(const int *)*api != RW_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "%s has version %d, the summing pool needs %d",
+                     capsule, *(const int *)*api, RW_API_VERSION);
+        return -1;
+    }
+    return 0;
+}
+
 static int load_api(Pool *p) {
-    PyObject *m = PyImport_ImportModule("reducer_wire._kernels");
-    if (m != NULL) {
-        Py_DECREF(m);
-        const rw_kernels_api *k = PyCapsule_Import("reducer_wire._kernels._C_API", 0);
-        if (k == NULL || k->version != RW_API_VERSION) return -1;
+    const void *kernels, *quant;
+    if (import_api("reducer_wire._kernels", "reducer_wire._kernels._C_API", &kernels) < 0 ||
+            import_api("reducer_wire._quant", "reducer_wire._quant._C_API", &quant) < 0)
+        return -1;
+    if (kernels != NULL) {
+        const rw_kernels_api *k = kernels;
         p->codecs[CODEC_FLOAT16] = k->float16;
         p->codecs[CODEC_BFLOAT16] = k->bfloat16;
         p->has_codec[CODEC_FLOAT16] = p->has_codec[CODEC_BFLOAT16] = 1;
-    } else {
-        PyErr_Clear();
     }
-    m = PyImport_ImportModule("reducer_wire._quant");
-    if (m != NULL) {
-        Py_DECREF(m);
-        const rw_quant_api *q = PyCapsule_Import("reducer_wire._quant._C_API", 0);
-        if (q == NULL || q->version != RW_API_VERSION) return -1;
+    if (quant != NULL) {
+        const rw_quant_api *q = quant;
         p->codecs[CODEC_INT8] = q->int8;
         p->codecs[CODEC_FP8] = q->fp8;
         p->has_codec[CODEC_INT8] = p->has_codec[CODEC_FP8] = 1;
-    } else {
-        PyErr_Clear();
     }
     p->codecs[CODEC_FLOAT32] = sp_float32_codec;
     p->has_codec[CODEC_FLOAT32] = 1;

@@ -109,20 +109,20 @@ class PooledSums:
         (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline."""
         return len(part.data) >= self.pool.min_chunk_bytes
 
-    def sums_in_c(self, part: Contribution) -> bool:
-        """Whether the chunk `part` opens is summed by the C pool's C tasks."""
-        return self._c_pool is not None and self._c_pool.sums_in_c(part.dtype)
+    def c_pool_for(self, part: Contribution) -> CSummingPool | None:
+        """The C pool, if the chunk `part` opens is summed by its C tasks."""
+        c_pool = self._c_pool
+        return c_pool if c_pool is not None and c_pool.sums_in_c(part.dtype) else None
 
     def array_for(self, part: Contribution) -> np.ndarray:
         """The table's accumulator array for a pooled chunk: empty where the C
         pool holds the accumulator (ChunkSums.acc)."""
-        return _NO_ARRAY if self.sums_in_c(part) else np.empty(part.numel, np.float32)
+        return _NO_ARRAY if self.c_pool_for(part) else np.empty(part.numel, np.float32)
 
     def open(self, cid: ChunkId, chunk: OpenChunk, part: Contribution) -> None:
         """Queue the chunk's first contribution (copied into its accumulator)."""
-        c_pool = self._c_pool
-        c_acc = (c_pool.new_accumulator(chunk.numel)
-                 if c_pool is not None and c_pool.sums_in_c(part.dtype) else None)
+        c_pool = self.c_pool_for(part)
+        c_acc = c_pool.new_accumulator(chunk.numel) if c_pool is not None else None
         sums = chunk.sums = ChunkSums(cid, chunk, self.pool.pick_partition(), c_acc)
         try:
             self._queue(sums, self._copy, part, COPY)
