@@ -94,10 +94,30 @@ def test_time_scale_keeps_compute_and_communication_in_the_real_ratio():
     (["--warmup", "0"], "must be >= 1"),
     (["--emulate-delay", "1ms"], "needs --emulate-cluster"),
     (["--real-link", "fast"], "rate 'fast'"),
+    (["--device", "cuda", "--time-scale", "2"], "compute is real and cannot be scaled"),
 ])
 def test_bad_arguments_are_named(argv: list[str], message: str):
     with pytest.raises(UsageError, match=message):
         config_from_argv(["--train", "tiny", *argv])
+
+
+def test_an_unknown_device_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        config_from_argv(["--train", "tiny", "--device", "tpu"])
+    assert "--device: invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_cuda_device_is_refused_without_a_gpu_and_keeps_compute_unscaled():
+    torch = pytest.importorskip("torch")
+    argv = ["--train", "tiny", "--device", "cuda", "--emulate-cluster", "200mbit"]
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="torch sees no CUDA device"):
+            config_from_argv(argv)
+    else:
+        config = config_from_argv(argv)
+        assert (config.device, config.time_scale) == ("cuda", 1.0)
+        assert config.record()["device"] == "cuda"
+    assert config_from_argv(["--train", "tiny"]).device == "cpu"
 
 
 torch = pytest.importorskip("torch")
@@ -133,13 +153,13 @@ def test_clock_waits_at_least_what_it_is_asked_and_keeps_the_total():
     clock = ComputeClock()
     start = time.perf_counter()
     for _ in range(20):
-        clock.wait(0.002)
+        clock.run(0.002)
     elapsed = time.perf_counter() - start
     waited, _ = clock.take()
     assert waited >= 0.040 - 1e-3  # late wake-ups shorten later waits, never the total
     assert elapsed < 0.040 * 2 + 0.1
     clock.enabled = False
-    clock.wait(1.0)
+    clock.run(1.0)
     assert clock.take()[0] == 0.0
 
 

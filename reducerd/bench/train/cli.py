@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reducerd's wire dtype (default float16); the 8-bit ones "
                              "with the shims' error feedback (on by default for them)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: parameters and gradients on the GPU, each layer's FLOPs "
+                             "computed there for real (bfloat16 matrix products; the workers "
+                             "share the first GPU) instead of modeled as time (default cpu)")
     shared.add_emulation_arguments(parser)
     shared.add_output_arguments(parser, "scaling efficiency against workers (needs matplotlib)")
     shared.add_run_arguments(parser, "fail a run when no step finishes for this long (default 300)")
@@ -102,7 +106,16 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be > 0, got {args.time_scale}")
     shared.check_run_arguments(args)
-    if args.time_scale is not None:
+    if args.device == "cuda" and args.time_scale is not None:
+        raise UsageError("--time-scale: with --device cuda the compute is real and cannot "
+                         "be scaled; choose --byte-scale and the link rate instead")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA device on this machine")
+        time_scale = 1.0
+    elif args.time_scale is not None:
         time_scale = args.time_scale
     elif rate:
         time_scale = real_link / rate / args.byte_scale
@@ -117,7 +130,7 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
         emulate_cluster=args.emulate_cluster, rate_bytes_per_s=rate, emulate_delay_s=delay,
         emulate_mtu=args.emulate_mtu, wire_dtype=args.wire_dtype, lr=args.lr,
         json_path=args.json, plot_path=args.plot, stall_timeout_s=args.stall_timeout,
-        log_dir=args.log_dir)
+        log_dir=args.log_dir, device=args.device)
 
 
 def main(argv: list[str]) -> int:

@@ -88,6 +88,7 @@ class TrainConfig:
     plot_path: Path | None = None
     stall_timeout_s: float = 300.0
     log_dir: Path | None = None
+    device: str = "cpu"  # "cuda": real compute on the machine's first GPU (gpu.py)
 
     @property
     def spec(self) -> ModelSpec:
@@ -133,4 +134,5 @@ class TrainConfig:
             "steps": self.steps, "warmup": self.warmup, "comm_steps": self.comm_steps,
             "emulate_cluster": self.emulate_cluster,
             "rate_bytes_per_s": self.rate_bytes_per_s, "lr": self.lr,
+            "device": self.device,
         }

@@ -7,7 +7,8 @@ forward time; its backward waits the backward time, then produces the
 layer's gradients, so autograd accumulates them layer by layer in backward
 order and DDP's buckets and the DistributedOptimizer's hooks fire as they
 would on an accelerator. The waits are sleeps: the CPUs stay free for the
-network path, as they would beside a GPU.
+network path, as they would beside a GPU. With `--device cuda` the
+parameters live on the GPU and the waits are real GPU work (gpu.py).
 
 The loss is a quadratic with a per-rank target: for a parameter p with
 target scalar c, rank r's gradient is p - (r + 1) c, so the average over N
@@ -52,7 +53,8 @@ class ComputeClock:
         self._late_s = 0.0
         self.backward_ends: list[float] = []  # perf_counter after each layer's backward
 
-    def wait(self, seconds: float) -> None:
+    def run(self, seconds: float) -> None:
+        """Wait `seconds` (a layer's modeled compute)."""
         if not self.enabled or seconds <= 0:
             return
         start = time.perf_counter()
@@ -82,26 +84,31 @@ class _Compute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token: torch.Tensor, layer: ModeledLayer, *params: torch.Tensor):
-        layer.clock.wait(layer.forward_s)
+        layer.clock.run(layer.forward_cost)
         ctx.layer = layer
         return token.clone()
 
     @staticmethod
     def backward(ctx, grad_token: torch.Tensor):
         layer: ModeledLayer = ctx.layer
-        layer.clock.wait(layer.backward_s)
+        layer.clock.run(layer.backward_cost)
         grads = layer.gradients()
         layer.clock.backward_done()
         return (grad_token, None, *grads)
 
 
 class ModeledLayer(torch.nn.Module):
-    """One layer: its parameters, its modeled times, its synthetic gradients."""
+    """One layer: its parameters, its compute, its synthetic gradients.
+
+    The costs are what `clock.run` takes: seconds for a ComputeClock, FLOPs
+    for a GpuCompute (gpu.py).
+    """
 
     def __init__(self, path: str, params: list[tuple[str, torch.nn.Parameter, float]],
-                 forward_s: float, backward_s: float, clock: ComputeClock, rank: int) -> None:
+                 forward_cost: float, backward_cost: float, clock: ComputeClock,
+                 rank: int) -> None:
         super().__init__()
-        self.path, self.forward_s, self.backward_s = path, forward_s, backward_s
+        self.path, self.forward_cost, self.backward_cost = path, forward_cost, backward_cost
         self.clock, self.rank = clock, rank
         self.targets: list[float] = []
         for name, param, target in params:
@@ -138,25 +145,27 @@ def _target(index: int) -> float:
     return 0.01 * (1 + index % 7)
 
 
-def build_model(spec: ModelSpec, times: list[tuple[float, float]], byte_scale: float,
-                clock: ComputeClock, rank: int) -> ModeledModel:
+def build_model(spec: ModelSpec, costs: list[tuple[float, float]], byte_scale: float,
+                clock: ComputeClock, rank: int, device: str = "cpu") -> ModeledModel:
     """The spec's layers with deterministic initial values (the same on every rank).
 
     byte_scale 1 keeps the architecture's shapes; above 1 each tensor is 1-D
-    with scaled_numel elements.
+    with scaled_numel elements. `costs` are each layer's (forward, backward)
+    for `clock.run`.
     """
     generator = torch.Generator().manual_seed(_SEED)
     layers, index = [], 0
-    for layer_spec, (forward_s, backward_s) in zip(spec.layers, times, strict=True):
+    for layer_spec, (forward_cost, backward_cost) in zip(spec.layers, costs, strict=True):
         params = []
         for p in layer_spec.params:
             shape = p.shape if byte_scale == 1 else (scaled_numel(p.numel, byte_scale),)
-            values = torch.randn(shape, generator=generator) * _INIT_STD
+            values = (torch.randn(shape, generator=generator) * _INIT_STD).to(device)
             # Parameter names cannot hold dots; the spec keeps the real path.
             params.append((p.name.rsplit(".", 2)[-2] + "_" + p.name.rsplit(".", 1)[-1]
                            + f"_{index}", torch.nn.Parameter(values), _target(index)))
             index += 1
-        layers.append(ModeledLayer(layer_spec.path, params, forward_s, backward_s, clock, rank))
+        layers.append(ModeledLayer(layer_spec.path, params, forward_cost, backward_cost, clock,
+                                   rank))
     return ModeledModel(layers)
 
 
@@ -169,7 +178,7 @@ def reference_step(model: ModeledModel, world_size: int, lr: float,
     after, largest = [], []
     for layer in model.modeled_layers():
         for p, c in zip(layer.parameters(recurse=False), layer.targets, strict=True):
-            p0 = p.detach().double().numpy().ravel()
+            p0 = p.detach().double().cpu().numpy().ravel()
             mean_grad = p0 - c * (world_size + 1) / 2
             after.append(p0 - lr * mean_grad)
             largest.append(np.maximum(np.abs(p0 - c), np.abs(p0 - world_size * c)))

@@ -53,6 +53,7 @@ def _worker_spec(config: TrainConfig, rank: int, workers: int, **extra: Any) -> 
         "steps": config.steps, "warmup": config.warmup, "comm_steps": config.comm_steps,
         "lr": config.lr, "wire_dtype": config.wire_dtype,
         "bucket_bytes": config.bucket_bytes, "stall_timeout_s": config.stall_timeout_s,
+        "device": config.device,
         # The clients size their chunks for the emulated links, as an operator would set.
         "link_gbit": config.rate_bytes_per_s * 8e-9 if config.rate_bytes_per_s else None,
         **extra})

@@ -50,7 +50,7 @@ def _check_first_step(model, reference, largest, spec: dict[str, Any]) -> dict[s
     wire, lr, world = wire_of(spec), spec["lr"], spec["world_size"]
     largest_anywhere = max(float(np.max(big)) for big in largest)
     for param, ref, big in zip(params, reference, largest, strict=True):
-        got = param.detach().double().numpy().ravel()
+        got = param.detach().double().cpu().numpy().ravel()
         if wire in UNIT_ROUNDOFF:
             bound = error_bound(ref, big, lr, world, UNIT_ROUNDOFF[wire])
         else:
@@ -109,9 +109,18 @@ def run_system(spec: dict[str, Any]) -> None:
     system = spec["system"]
     model_desc = model_spec(spec["model"])
     accelerator = Accelerator(spec["accelerator"], spec["peak_flops"], spec["utilisation"])
-    times = layer_times(model_desc, spec["batch"], accelerator, spec["time_scale"])
-    clock = ComputeClock()
-    model = build_model(model_desc, times, spec["byte_scale"], clock, spec["rank"])
+    device = spec.get("device", "cpu")
+    if device == "cuda":
+        import torch
+
+        from reducerd.bench.train.gpu import GpuCompute, layer_flops
+
+        torch.cuda.set_device(0)  # the workers share the machine's first GPU
+        clock, costs = GpuCompute(torch.device("cuda", 0)), layer_flops(model_desc, spec["batch"])
+    else:
+        clock = ComputeClock()
+        costs = layer_times(model_desc, spec["batch"], accelerator, spec["time_scale"])
+    model = build_model(model_desc, costs, spec["byte_scale"], clock, spec["rank"], device)
     reference, largest = reference_step(model, spec["world_size"], spec["lr"])
     trainer = make_trainer(model, spec)
     try:
