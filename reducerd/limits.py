@@ -179,6 +179,8 @@ class MemoryBudget:
         self._accumulators = 0
         self._transport = 0
         self._jobs: dict[str, int] = {}  # transport bytes by job; none at 0 kept
+        # Times anything waited for room or was refused it (memory.HeapTrimmer).
+        self.pressure = 0
 
     @property
     def accumulator_bytes(self) -> int:
@@ -198,6 +200,7 @@ class MemoryBudget:
         with self._lock:
             used = self._accumulators + max(self._transport, self.transport_reserve_bytes)
             if used + nbytes > self.limit_bytes:
+                self.pressure += 1
                 return False
             self._accumulators += nbytes
             return True
@@ -225,6 +228,7 @@ class MemoryBudget:
 
         with self._lock:
             if not fits():
+                self.pressure += 1
                 self._waiting += 1
                 try:
                     if not self._cond.wait_for(fits, timeout_s):
@@ -258,6 +262,7 @@ class MemoryBudget:
         with self._lock:
             if self.job_has_room(job):
                 return True
+            self.pressure += 1
             self._waiting += 1
             try:
                 return self._cond.wait_for(lambda: self.job_has_room(job), timeout_s)

@@ -15,6 +15,13 @@ connections a dozen arenas each held several MiB of freed payloads (issue
 19: 256 contributors, peak RSS 22 MiB above idle with 2 arenas against
 45 MiB with glibc's default). Two arenas: the payloads freed on the loop
 thread are reused by every reader; one malloc per frame contends little.
+
+What the heaps keep free is given back (malloc_trim) when the daemon has
+held nothing for a few seconds or is at a memory limit (a stream waiting for
+room), not while it serves within its limits: its RSS after a burst, or
+beside a job that never reads, comes back towards what it holds, and steady
+traffic (training steps, with gaps between them) keeps reusing its freed
+blocks (HeapTrimmer).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["tune_malloc"]
+__all__ = ["tune_malloc", "HeapTrimmer", "KEEP_FREE_BYTES"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -31,16 +38,27 @@ _M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 64 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
 ARENA_MAX = 2
+# Free heap kept when trimming is due: below it a trim is not worth its page faults.
+KEEP_FREE_BYTES = 8 << 20
+# Calls of HeapTrimmer.trim_if_due (one a second) holding nothing before it is idle.
+IDLE_CALLS = 5
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
 
 
 def tune_malloc() -> bool:
     """Set glibc's thresholds and arena count for this process (before its
     threads start); False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         ok = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
               and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
               and libc.mallopt(_M_ARENA_MAX, ARENA_MAX) == 1)
@@ -49,3 +67,58 @@ def tune_malloc() -> bool:
     if not ok:
         logging.getLogger("reducerd").debug("mallopt refused the thresholds")
     return ok
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+class HeapTrimmer:
+    """Gives the heaps' free memory back to the kernel when it is due.
+
+    due(): the daemon has held nothing for IDLE_CALLS calls (once, until it
+    holds something again), or some stream waited for memory since the last
+    call. trim_if_due() then trims once the heaps hold more than
+    `keep_bytes` free (glibc's mallinfo2; where that is missing, always). A
+    no-op without glibc. Called from one thread at a time (the server's
+    trim loop, in an executor: a trim walks every arena under its lock).
+    """
+
+    def __init__(self, keep_bytes: int = KEEP_FREE_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self.trims = 0
+        libc = _libc()
+        self._trim = getattr(libc, "malloc_trim", None)
+        self._info = getattr(libc, "mallinfo2", None)
+        if self._info is not None:
+            self._info.restype = _MallInfo2
+        self._pressure_seen = 0
+        self._idle_calls = 0
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None
+
+    def free_bytes(self) -> int | None:
+        """Bytes the heaps hold free (None where glibc cannot say)."""
+        return int(self._info().fordblks) if self._info is not None else None
+
+    def due(self, held_bytes: int, pressure: int) -> bool:
+        """Whether to trim: idle at last, or the budget's pressure count moved."""
+        moved, self._pressure_seen = pressure != self._pressure_seen, pressure
+        self._idle_calls = self._idle_calls + 1 if held_bytes == 0 else 0
+        return self.available and (moved or self._idle_calls == IDLE_CALLS)
+
+    def trim_if_due(self, held_bytes: int, pressure: int) -> bool:
+        """Trim when due and worth it; whether it trimmed."""
+        if not self.due(held_bytes, pressure):
+            return False
+        free = self.free_bytes()
+        if free is not None and free <= self.keep_bytes:
+            return False
+        assert self._trim is not None
+        self._trim(0)
+        self.trims += 1
+        return True

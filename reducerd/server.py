@@ -29,6 +29,7 @@ from reducerd.config import Config
 from reducerd.dataplane import DataPlane
 from reducerd.grpc_service import ReducerServicer
 from reducerd.limits import TRANSPORT_RESERVE_SHARE, MemoryBudget
+from reducerd.memory import HeapTrimmer
 from reducerd.notify import Notifier
 from reducerd.reduction import UNAVAILABLE, ReductionTable
 from reducerd.session import Session
@@ -50,6 +51,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reducer"].full_name
 # systemd units: about 1 GiB). Workers need one each per daemon, beside
 # their data connections.
 MAX_GRPC_CONNECTIONS = 8192
+TRIM_PERIOD_S = 1.0  # how often the heaps' free memory may be given back (_trim_loop)
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -217,12 +219,13 @@ class Daemon:
             on_ready(self.port)
         # Only now: the port answers and health says SERVING.
         self.notifier.ready(f"serving on port {self.port}")
-        expiry = asyncio.create_task(self._expire_loop())
-        watchdog = asyncio.create_task(self.notifier.watchdog_loop())
+        tasks = [asyncio.create_task(self._expire_loop()),
+                 asyncio.create_task(self.notifier.watchdog_loop()),
+                 asyncio.create_task(self._trim_loop())]
         await self._stop.wait()
         await self._drain()
-        expiry.cancel()
-        watchdog.cancel()
+        for task in tasks:
+            task.cancel()
 
     def stop(self) -> None:
         """Ask the daemon to drain and stop (safe from a signal handler)."""
@@ -240,6 +243,21 @@ class Daemon:
             except Exception:
                 log.exception("reducerd fault while expiring chunks and streams; "
                               "trying again in %g s", period_s)
+
+    async def _trim_loop(self) -> None:
+        """Once a second: give the heaps' free memory back when idle or at a
+        limit (memory.HeapTrimmer), off the loop thread."""
+        trimmer = HeapTrimmer()
+        if not trimmer.available:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TRIM_PERIOD_S)
+            try:
+                await loop.run_in_executor(None, trimmer.trim_if_due, self.budget.held_bytes,
+                                           self.budget.pressure)
+            except Exception:
+                log.exception("reducerd fault while trimming the heaps")
 
     async def _drain(self) -> None:
         grace_s = self.config.drain_grace_s

@@ -104,8 +104,13 @@ def test_a_job_that_never_reads_keeps_to_its_share_of_the_limit(tmp_path):
         assert status.open_streams == CONNECTIONS + 1
         # At its share (was the whole limit, 60 MiB and more).
         assert SHARE - FRAME <= status.bytes_held <= SHARE + OVERSHOOT, status.bytes_held
+        # Its streams wait at the share: the daemon gives back what its heaps
+        # hold free (memory.HeapTrimmer, once a second; before, RSS stayed up
+        # to 40 MiB higher, over this bound in 2 runs of 6 under load).
+        bound = SHARE + OVERSHOOT + RSS_SLACK
+        wait_until(lambda: rss_bytes(daemon) - before < bound, 5)
         grown = rss_bytes(daemon) - before
-        assert grown < SHARE + OVERSHOOT + RSS_SLACK, f"RSS +{grown / MiB:.0f} MiB"
+        assert grown < bound, f"RSS +{grown / MiB:.0f} MiB"
 
         # A further stream of the job is refused before it adds anything, on both
         # planes (a first shard of 2 frames: over the share from SHARE - FRAME on).
