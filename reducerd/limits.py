@@ -179,7 +179,8 @@ class MemoryBudget:
         self._accumulators = 0
         self._transport = 0
         self._jobs: dict[str, int] = {}  # transport bytes by job; none at 0 kept
-        # Times anything waited for room or was refused it (memory.HeapTrimmer).
+        # Times anything waited for room or was refused it, here or by a job's
+        # own limits (note_pressure): memory.HeapTrimmer trims after them.
         self.pressure = 0
 
     @property
@@ -204,6 +205,11 @@ class MemoryBudget:
                 return False
             self._accumulators += nbytes
             return True
+
+    def note_pressure(self) -> None:
+        """Count a refusal for memory decided elsewhere (a job's own limits)."""
+        with self._lock:
+            self.pressure += 1
 
     def give_accumulator(self, nbytes: int) -> None:
         with self._lock:

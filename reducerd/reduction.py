@@ -282,6 +282,7 @@ class ReductionTable:
         refusal = job_refusal(job.open_chunks, job.open_chunk_bytes, nbytes,
                               self.max_open_chunks_per_job, self.max_job_inflight_bytes)
         if refusal is not None:
+            self.budget.note_pressure()
             return [self._fail(cid, RESOURCE_EXHAUSTED, f"{cid.describe()}: {refusal}",
                                (sink,), part)]
         if not self.budget.take_accumulator(nbytes) and not self._reclaimed(nbytes):

@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.limits import MemoryBudget
 from reducerd.memory import IDLE_CALLS, HeapTrimmer
+from reducerd.reduction import ChunkId, Contribution, ReductionTable
 
 
 def test_trimming_is_due_at_a_limit_and_once_when_idle_never_in_steady_traffic():
@@ -39,6 +42,8 @@ def test_the_budget_counts_every_wait_and_refusal_as_pressure():
     budget.job_share_bytes = 100
     assert not budget.wait_job_room("j", 0) and budget.pressure == 3
     assert budget.wait_job_room("other", 0) and budget.pressure == 3
+    budget.note_pressure()  # a job's own limit refused a chunk (reduction.py)
+    assert budget.pressure == 4
 
 
 _TRIM_RSS_SCRIPT = """
@@ -83,3 +88,15 @@ def test_a_trim_gives_the_freed_chunks_back_in_vmrss():
     assert got["held"] - got["after"] > 40 * mib, got
     if got["free_before"] is not None:  # glibc 2.33 on: it says what is free
         assert got["free_before"] > 40 * mib and not got["lean"], got
+
+
+def test_a_chunk_refused_by_its_jobs_own_limit_counts_as_pressure():
+    table = ReductionTable(60.0, 1 << 30, max_open_chunks_per_job=1)
+    one = np.ones(1, np.float16).tobytes()
+
+    def open_chunk(key: str):
+        return table.contribute(ChunkId("job", key, 0, 0),
+                                Contribution(0, 2, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, one), 0)
+    assert open_chunk("a") == [] and table.budget.pressure == 0
+    [refusal] = open_chunk("b")
+    assert refusal.error_code == "RESOURCE_EXHAUSTED" and table.budget.pressure == 1
