@@ -82,8 +82,7 @@ class ReductionTable:
                  budget: MemoryBudget | None = None,
                  summing: AnySummingPool | None = None,
                  max_job_inflight_bytes: int | None = None) -> None:
-        self.round_timeout_s = round_timeout_s
-        self.max_inflight_bytes = max_inflight_bytes
+        self.round_timeout_s, self.max_inflight_bytes = round_timeout_s, max_inflight_bytes
         self.max_open_chunks_per_job = max_open_chunks_per_job
         # What one job's open chunks may hold (Config.job_inflight_bytes; limits.job_refusal).
         self.max_job_inflight_bytes = job_inflight_limit(max_inflight_bytes,
