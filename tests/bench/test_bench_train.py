@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from reducerd.bench.train.cli import UsageError, config_from_argv
-from reducerd.bench.train.config import Accelerator, layer_times, scaled_numel
+from reducerd.bench.train.config import Accelerator, TrainConfig, layer_times, scaled_numel
 from reducerd.bench.train.specs import bert_large, resnet50, tiny
 
 CONTRACT_KEYS = {"system", "model", "workers", "step_time_s", "samples_per_s",
@@ -118,6 +118,10 @@ def test_cuda_device_is_refused_without_a_gpu_and_keeps_compute_unscaled():
         assert (config.device, config.time_scale) == ("cuda", 1.0)
         assert config.record()["device"] == "cuda"
     assert config_from_argv(["--train", "tiny"]).device == "cpu"
+    record = TrainConfig(model="tiny", workers=(1,), device="cuda").record()
+    assert record["modeled_compute_s"] is None and record["real_compute_s"] is None
+    assert record["accelerator"] == {"name": "cuda:0 (real compute)"}
+    assert TrainConfig(model="tiny", workers=(1,)).record()["modeled_compute_s"] > 0
 
 
 torch = pytest.importorskip("torch")

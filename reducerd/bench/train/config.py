@@ -114,7 +114,8 @@ class TrainConfig:
         """The JSON "config" object's model and scaling part."""
         spec = self.spec
         times = self.times()
-        compute_s = sum(f + b for f, b in times)
+        # On a GPU the compute is measured (each step's compute_s), not modeled.
+        compute_s = sum(f + b for f, b in times) if self.device == "cpu" else None
         scaled_params = sum(scaled_numel(p.numel, self.byte_scale) for p in spec.params)
         return {
             "model": spec.name, "model_description": spec.description,
@@ -122,13 +123,14 @@ class TrainConfig:
             "layers": len(spec.layers), "scaled_param_count": scaled_params,
             "sample": spec.sample, "batch_per_worker": self.batch_per_worker,
             "forward_flop_per_sample": spec.forward_flop_per_sample,
-            "accelerator": {"name": self.accelerator.name,
-                            "peak_flops": self.accelerator.peak_flops,
-                            "utilisation": self.accelerator.utilisation},
+            "accelerator": ({"name": self.accelerator.name,
+                             "peak_flops": self.accelerator.peak_flops,
+                             "utilisation": self.accelerator.utilisation}
+                            if self.device == "cpu" else {"name": "cuda:0 (real compute)"}),
             "real_link_bytes_per_s": self.real_link_bytes_per_s,
             "byte_scale": self.byte_scale, "time_scale": self.time_scale,
             "modeled_compute_s": compute_s,
-            "real_compute_s": compute_s / self.time_scale,
+            "real_compute_s": compute_s / self.time_scale if compute_s is not None else None,
             "bucket_bytes": self.bucket_bytes, "wire_dtype": self.wire_dtype,
             "workers": list(self.workers), "systems": list(self.systems),
             "steps": self.steps, "warmup": self.warmup, "comm_steps": self.comm_steps,
