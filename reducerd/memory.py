@@ -30,7 +30,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["tune_malloc", "HeapTrimmer", "KEEP_FREE_BYTES"]
+__all__ = ["tune_malloc", "HeapTrimmer", "KEEP_FREE_BYTES", "IDLE_CALLS"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
