@@ -88,7 +88,6 @@ class HeapTrimmer:
 
     def __init__(self, keep_bytes: int = KEEP_FREE_BYTES) -> None:
         self.keep_bytes = keep_bytes
-        self.trims = 0
         libc = _libc()
         self._trim = getattr(libc, "malloc_trim", None)
         self._info = getattr(libc, "mallinfo2", None)
@@ -120,5 +119,4 @@ class HeapTrimmer:
             return False
         assert self._trim is not None
         self._trim(0)
-        self.trims += 1
         return True

@@ -106,10 +106,10 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be > 0, got {args.time_scale}")
     shared.check_run_arguments(args)
-    if args.device == "cuda" and args.time_scale is not None:
-        raise UsageError("--time-scale: with --device cuda the compute is real and cannot "
-                         "be scaled; choose --byte-scale and the link rate instead")
     if args.device == "cuda":
+        if args.time_scale is not None:
+            raise UsageError("--time-scale: with --device cuda the compute is real and cannot "
+                             "be scaled; choose --byte-scale and the link rate instead")
         import torch
 
         if not torch.cuda.is_available():

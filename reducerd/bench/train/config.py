@@ -19,8 +19,8 @@ from pathlib import Path
 
 from reducerd.bench.train.specs import ModelSpec, model_spec
 
-__all__ = ["TRAIN_SYSTEMS", "DEFAULT_SYSTEMS", "Accelerator", "TrainConfig", "layer_times",
-           "scaled_numel", "DDP_BUCKET_BYTES"]
+__all__ = ["TRAIN_SYSTEMS", "DEFAULT_SYSTEMS", "Accelerator", "TrainConfig", "layer_flops",
+           "layer_times", "scaled_numel", "DDP_BUCKET_BYTES"]
 
 # Every system the training bench knows, in run order.
 TRAIN_SYSTEMS = ("reducerd-ddp", "reducerd-optimizer", "reducerd-optimizer-xbar",
@@ -45,17 +45,19 @@ class Accelerator:
         return self.peak_flops * self.utilisation
 
 
+def layer_flops(spec: ModelSpec, batch: int) -> list[tuple[float, float]]:
+    """(forward FLOPs, backward FLOPs) of every layer, in forward order:
+    FLOPs per sample x batch; backward = 2 x forward."""
+    return [(layer.forward_flop_per_sample * batch, 2 * layer.forward_flop_per_sample * batch)
+            for layer in spec.layers]
+
+
 def layer_times(spec: ModelSpec, batch: int, accelerator: Accelerator,
                 time_scale: float = 1.0) -> list[tuple[float, float]]:
-    """(forward_s, backward_s) of every layer, in forward order.
-
-    forward = FLOPs per sample x batch / effective FLOP/s; backward = 2 x forward.
-    """
-    times = []
-    for layer in spec.layers:
-        forward_s = layer.forward_flop_per_sample * batch / accelerator.effective_flops
-        times.append((forward_s * time_scale, 2 * forward_s * time_scale))
-    return times
+    """(forward_s, backward_s) of every layer, in forward order: layer_flops
+    over the accelerator's effective FLOP/s, times time_scale."""
+    speed = accelerator.effective_flops
+    return [(f / speed * time_scale, b / speed * time_scale) for f, b in layer_flops(spec, batch)]
 
 
 def scaled_numel(numel: int, byte_scale: float) -> int:

@@ -17,12 +17,11 @@ events there does not delay the next step's compute.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import torch
 
-__all__ = ["GpuCompute", "WIDTH", "layer_flops"]
+from reducerd.bench.train.modeled import ComputeClock
+
+__all__ = ["GpuCompute", "WIDTH"]
 
 # Products of (rows x WIDTH) by (WIDTH x WIDTH): 2 WIDTH^2 FLOPs per row, large
 # enough to run near the tensor cores' peak, small enough to hit a layer's FLOPs
@@ -31,20 +30,18 @@ WIDTH = 4096
 _MAX_ROWS = 8192  # rows per product: the workspace is 64 MiB + 32 MiB of bfloat16
 
 
-class GpuCompute:
-    """Runs a layer's FLOPs on the GPU; the ComputeClock interface of modeled.py.
+class GpuCompute(ComputeClock):
+    """Runs a layer's FLOPs on the GPU instead of waiting its modeled time.
 
-    `enabled` False skips the work (communication alone). `_lock` guards the
-    events and backward end times (forward runs on the caller's thread,
-    backward on autograd's).
+    `enabled` False skips the work (communication alone); the backward end
+    times are ComputeClock's. `_lock` (ComputeClock's) also guards the events
+    (forward runs on the caller's thread, backward on autograd's).
     """
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
-        self.enabled = True
-        self._lock = threading.Lock()
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.backward_ends: list[float] = []
         generator = torch.Generator(device).manual_seed(0)
         self._weight = torch.randn(WIDTH, WIDTH, device=device, dtype=torch.bfloat16,
                                    generator=generator) / WIDTH ** 0.5
@@ -67,21 +64,11 @@ class GpuCompute:
         with self._lock:
             self._events.append((start, end))
 
-    def backward_done(self) -> None:
-        with self._lock:
-            self.backward_ends.append(time.perf_counter())
-
     def take(self) -> tuple[float, list[float]]:
         """(seconds the GPU computed, backward end times) since the last take()."""
+        _, ends = super().take()
         with self._lock:
-            events, ends = self._events, self.backward_ends
-            self._events, self.backward_ends = [], []
+            events, self._events = self._events, []
         if events:
             events[-1][1].synchronize()
         return sum(start.elapsed_time(end) for start, end in events) / 1e3, ends
-
-
-def layer_flops(spec, batch: int) -> list[tuple[float, float]]:
-    """(forward FLOPs, backward FLOPs) of every layer, in forward order."""
-    return [(layer.forward_flop_per_sample * batch, 2 * layer.forward_flop_per_sample * batch)
-            for layer in spec.layers]

@@ -60,7 +60,8 @@ class Trainer:
 
     def __init__(self, model: ModeledModel, spec: dict[str, Any]) -> None:
         self.model, self.spec = model, spec
-        self.token = torch.zeros(1, device=spec.get("device", "cpu"))
+        self.device = spec.get("device", "cpu")
+        self.token = torch.zeros(1, device=self.device)
         self.reducer: TimedReducer | None = None
         self.opt: torch.optim.Optimizer
 
@@ -110,9 +111,8 @@ class DDPTrainer(Trainer):
 
         _gloo_group(spec)
         # A bucket cap given explicitly also caps DDP's first bucket (torch 2.13).
-        on_gpu = spec.get("device", "cpu") == "cuda"
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=spec["bucket_bytes"] / 2**20,
-                                           device_ids=[0] if on_gpu else None)
+                                           device_ids=[0] if self.device == "cuda" else None)
         system = spec["system"]
         if system == "reducerd-ddp":
             import reducer_client.torch as rt

@@ -101,7 +101,7 @@ def _timed_steps(trainer, clock, count: int, system: str, phase: str,
 
 def run_system(spec: dict[str, Any]) -> None:
     """Check, warm up, time and tear down one system on this rank."""
-    from reducerd.bench.train.config import Accelerator, layer_times
+    from reducerd.bench.train.config import Accelerator, layer_flops, layer_times
     from reducerd.bench.train.modeled import ComputeClock, build_model, reference_step
     from reducerd.bench.train.specs import model_spec
     from reducerd.bench.train.trainers import make_trainer
@@ -113,7 +113,7 @@ def run_system(spec: dict[str, Any]) -> None:
     if device == "cuda":
         import torch
 
-        from reducerd.bench.train.gpu import GpuCompute, layer_flops
+        from reducerd.bench.train.gpu import GpuCompute
 
         torch.cuda.set_device(0)  # the workers share the machine's first GPU
         clock, costs = GpuCompute(torch.device("cuda", 0)), layer_flops(model_desc, spec["batch"])
