@@ -102,12 +102,18 @@ def measure(threads: int, args: argparse.Namespace) -> dict[str, Any]:
             start.update(cpu=cpu_s(pid), loop=cpu_s(pid, pid), load=live_children_cpu_s(pid))
             start["busy"], start["all"] = machine_busy_s()
 
-        result = run_load(spec, args.processes, on_ready=on_ready)
-        end_busy, end_all = machine_busy_s()
-        daemon_cpu = cpu_s(pid) - start["cpu"]
-        loop_cpu = cpu_s(pid, pid) - start["loop"]
+        end: dict[str, float] = {}
+
+        def on_timed() -> None:  # every timed round answered, no connection closed yet
+            end.update(cpu=cpu_s(pid), loop=cpu_s(pid, pid))
+            end["busy"], end["all"] = machine_busy_s()
+
+        result = run_load(spec, args.processes, on_ready=on_ready, on_timed=on_timed)
+        end_busy, end_all = end["busy"], end["all"]
+        daemon_cpu = end["cpu"] - start["cpu"]
+        loop_cpu = end["loop"] - start["loop"]
         # The workers have exited (the daemon not yet): their whole lives, less
-        # what they had used when the timed rounds began.
+        # what they had used when the timed rounds began (their closing included).
         load_cpu = reaped_children_cpu_s() - start["reaped"] - start["load"]
     finally:
         daemon.stop()

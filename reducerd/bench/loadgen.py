@@ -213,7 +213,8 @@ def _say(message: dict[str, Any]) -> None:
 
 def worker_main(spec: LoadSpec, first: int, count: int) -> int:
     """One worker process (JSON lines to the driver): connect, say so, wait for a
-    line; warm up, say so, wait for a line; run the timed rounds, report."""
+    line; warm up, say so, wait for a line; run the timed rounds, say so, wait
+    for a line; close its connections and report."""
     worker = LoadWorker(spec, first, count)
     worker.connect()
     reader = threading.Thread(target=worker.read_replies, daemon=True, name="loadgen-read")
@@ -230,6 +231,8 @@ def worker_main(spec: LoadSpec, first: int, count: int) -> int:
             round_s.append(worker.run_round(round_, record=True))
     except (OSError, TimeoutError) as exc:
         worker.error(f"ranks {first}..{first + count - 1}: {exc!r}")
+    _say({"state": "timed"})
+    sys.stdin.readline()  # every worker's timed rounds are over
     worker.close()
     reader.join(spec.timeout_s)
     _say({"state": "done", "round_s": round_s, "latencies_s": worker.latencies_s,
@@ -238,12 +241,14 @@ def worker_main(spec: LoadSpec, first: int, count: int) -> int:
 
 
 def run_load(spec: LoadSpec, processes: int, on_connected: Any = None,
-             on_ready: Any = None) -> dict[str, Any]:
+             on_ready: Any = None, on_timed: Any = None) -> dict[str, Any]:
     """Start `processes` workers sharing the contributors; return their merged figures.
 
     `on_connected()` runs once every contributor's connection is open (before
     any shard), `on_ready()` once all are warmed up, just before the timed
-    rounds: to sample the daemon's memory and CPU then.
+    rounds, and `on_timed()` once every timed round is answered, before any
+    connection closes: to sample the daemon's memory and CPU then (closing
+    hundreds of streams is a cost per connection, not per round).
     """
     processes = max(1, min(processes, spec.contributors))
     shares = [spec.contributors // processes + (i < spec.contributors % processes)
@@ -257,13 +262,14 @@ def run_load(spec: LoadSpec, processes: int, on_connected: Any = None,
         _step(procs, "connected", on_connected)
         _step(procs, "ready", on_ready)
         started = time.perf_counter()
+        _step(procs, "timed", on_timed)
+        wall_s = time.perf_counter() - started
         reports = []
         for proc in procs:
             out = proc.communicate(timeout=spec.timeout_s * 2)[0]
             if not out.strip():
                 raise RuntimeError(f"load worker exited with {proc.returncode} and no report")
             reports.append(json.loads(out))
-        wall_s = time.perf_counter() - started
     finally:
         for proc in procs:
             if proc.poll() is None:

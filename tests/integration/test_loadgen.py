@@ -8,6 +8,7 @@ float64 reference, and the checker is shown to catch a wrong one.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -41,6 +42,11 @@ def data_port(daemon) -> int:
     raise AssertionError(f"no data port in the log:\n{daemon.log()}")
 
 
+def open_sockets(pid: int) -> int:
+    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+               for fd in os.listdir(f"/proc/{pid}/fd"))
+
+
 @pytest.mark.parametrize("contributors", [1, 3, 16, 256, 300])
 def test_known_sums_are_exact_float16_integers(contributors):
     """The sum of every rank's (r + i) mod m, against float64, fits float16 exactly."""
@@ -60,12 +66,26 @@ def test_sixteen_contributors_get_exact_sums_and_no_error():
                         key_bytes=300_000, chunk_bytes=64 << 10, rounds=3, warmup=1,
                         timeout_s=60)
         calls: list[str] = []
-        result = run_load(spec, processes=2, on_connected=lambda: calls.append("connected"),
-                          on_ready=lambda: calls.append("ready"))
+        sockets: dict[str, int] = {}
+
+        def on(state: str) -> None:
+            calls.append(state)
+            sockets[state] = open_sockets(daemon.process.pid)
+
+        result = run_load(spec, processes=2, on_connected=lambda: on("connected"),
+                          on_ready=lambda: on("ready"), on_timed=lambda: on("timed"))
+        deadline = time.monotonic() + 10  # the daemon closes each after its last frame
+        while (closed := open_sockets(daemon.process.pid)) > sockets["timed"] - 16:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     finally:
         assert daemon.stop() == 0
     assert result["errors"] == []
-    assert calls == ["connected", "ready"]
+    assert calls == ["connected", "ready", "timed"]
+    # on_timed comes after the last round and before any connection closes.
+    assert sockets["ready"] == sockets["timed"]
+    assert closed <= sockets["timed"] - 16
     chunks = len(spec.chunk_numels)
     assert chunks == 5  # 150,000 elements in chunks of 32,768
     assert result["chunks_timed"] == 16 * chunks * 3  # every contributor, chunk and round
