@@ -1,10 +1,13 @@
-"""One data-plane connection: its reader thread (handshake, then frames) and writer thread.
+"""One data-plane connection: its reader thread (the handshake; frames under TLS) and writer.
 
-Replies go out from the loop thread itself where the socket takes them at
-once, else from the writer thread (reducerd.outbox: direct sends); over TLS
-from the writer thread always.
+A plain-TCP connection's frames are read by the loop thread once its
+handshake is over (reducerd.dataread); under TLS its reader thread reads
+them. Replies go out from the loop thread itself where the socket takes them
+at once, else from the writer thread (reducerd.outbox: direct sends); over
+TLS from the writer thread always.
 
-Bounds kept here (reducerd.dataplane has the plane-wide ones):
+Bounds kept here and in reducerd.dataread (reducerd.dataplane has the
+plane-wide ones):
 - the handshake (TLS, preface, HELLO) ends within the handshake timeout of the
   accept: a deadline, checked at every receive (the socket gets a receive tick
   meanwhile), not a timeout per read that a trickle could renew;
@@ -15,8 +18,8 @@ Bounds kept here (reducerd.dataplane has the plane-wide ones):
   payload is read (waiting up to RESERVE_WAIT_S for room, else the connection
   ends with RESOURCE_EXHAUSTED), and given back once the loop took the shard;
   its payload must arrive within the frame timeout of its header;
-- before it reads a frame's payload, a reader waits until it has fewer than
-  QUEUED_FRAMES shards waiting for the loop, the plane fewer than
+- before it reads a frame's payload, a reader thread waits until it has
+  fewer than QUEUED_FRAMES shards waiting for the loop, the plane fewer than
   BACKLOG_FRAMES (DataPlane.backlog), and fewer than UNSENT_FRAMES replies
   or UNSENT_BYTES (the loop's untaken frames counted as replies to come)
   wait for its writer: meanwhile the frame stays in the kernel, and TCP
@@ -30,7 +33,6 @@ import contextlib
 import logging
 import socket
 import ssl
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -52,14 +54,22 @@ from reducer_wire.framing import (
     recv_exactly,
     recv_ready,
     set_receive_tick,
+    set_send_timeout,
     shutdown_quietly,
     status_frame,
     tune_socket,
 )
 from reducer_wire.tls import TlsChannel
 
+from reducerd.dataread import (
+    LINGER_S,
+    RESERVE_WAIT_S,
+    UNSENT_BYTES,
+    UNSENT_FRAMES,
+    LoopReader,
+)
 from reducerd.limits import Credit
-from reducerd.outbox import ThreadOutbox
+from reducerd.outbox import GONE, ThreadOutbox
 from reducerd.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
 
 if TYPE_CHECKING:
@@ -70,17 +80,9 @@ __all__ = ["Connection", "ConnectionLimits", "GONE"]
 log = logging.getLogger("reducerd")
 
 QUEUED_FRAMES = 8
-BACKLOG_FRAMES = 16
-UNSENT_FRAMES = 64
-UNSENT_BYTES = 16 << 20
-RESERVE_WAIT_S = 5.0
+_SKIP_BYTES = 1 << 16
 # While a deadline runs, a silent socket hands control back this often.
 _RECEIVE_TICK_S = 0.25
-# After the daemon's last frame, how long the client gets to close its side
-# (closing with unread input would reset the connection and lose that frame).
-_LINGER_S = 5.0
-_SKIP_BYTES = 1 << 16
-GONE = object()  # in an outbox: the connection broke, the writer stops without a status
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,13 @@ class Connection:
         self.ticking = False  # a payload's receive tick, kept across frames (_idle)
         self.registered = False  # a Stream of the session (its writer starts on need)
         self.counted_job: str | None = None  # its token's job, counted by the plane
+        self.loop_reader: LoopReader | None = None  # plain TCP: the loop reads its frames
 
     def serve(self) -> None:
         plane, limits = self.plane, self.plane.limits
         try:
             tune_socket(self.sock)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                 _timeval(limits.send_timeout_s))
+            set_send_timeout(self.sock, limits.send_timeout_s)
             refusal = self._handshake(self.accepted_s + limits.handshake_timeout_s)
             if refusal is None:
                 refusal = plane.admit(self)
@@ -125,9 +127,12 @@ class Connection:
                 else:
                     self.sock.close()
                 return
-            if self.io is self.sock:  # over TLS only the writer thread writes
-                self.outbox.direct = self.sock
             plane.call(plane.session.open_stream, self.stream)
+            if self.io is self.sock:  # over TLS only the writer thread writes, this one reads
+                self.outbox.direct = self.sock
+                self.loop_reader = LoopReader(self, plane.payload_slots)
+                plane.call(self.loop_reader.start)  # this thread ends here
+                return
             self._read_shards()
         except OSError as exc:
             log.debug("data connection %s broke: %r", self.stream.peer, exc)
@@ -145,7 +150,8 @@ class Connection:
                 plane.forget(self)
                 self.sock.close()
         finally:
-            self.reader_done.set()
+            if self.loop_reader is None:
+                self.reader_done.set()
 
     def _handshake(self, deadline_s: float) -> tuple[Any, str] | None:
         """TLS, the preface and HELLO, all by `deadline_s`; why the client is
@@ -213,8 +219,8 @@ class Connection:
                     continue
                 if not plane.budget.reserve(length, RESERVE_WAIT_S, job):
                     plane.call(self.stream.end, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               self._no_room(length, job))
-                    _drop_input(self.io, _LINGER_S)
+                               plane.budget.no_room(length, job, RESERVE_WAIT_S))
+                    _drop_input(self.io, LINGER_S)
                     return
                 if not self._wait_for_room():  # the writer is gone: nothing more is taken
                     plane.budget.give_transport(length, job)
@@ -230,7 +236,7 @@ class Connection:
                 plane.call(self.stream.end, grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"a frame of {length} bytes did not arrive within "
                            f"{limits.frame_timeout_s:g} s of its header ({exc})")
-                _drop_input(self.io, _LINGER_S)
+                _drop_input(self.io, LINGER_S)
                 return
             except FrameError as exc:
                 # The byte stream cannot be followed any further: end with why.
@@ -302,22 +308,13 @@ class Connection:
                 return
             length -= len(view)
 
-    def _no_room(self, length: int, job: str | None) -> str:
-        budget = self.plane.budget
-        if job is not None and not budget.job_fits(job, length):
-            return (f"a frame of {length} bytes does not fit: {budget.describe_job_share(job)}, "
-                    f"and none came free within {RESERVE_WAIT_S:g} s; try again later")
-        return (f"a frame of {length} bytes does not fit: the daemon holds {budget.held_bytes} "
-                f"of its {budget.limit_bytes} bytes (--max-inflight-bytes) and none came free "
-                f"within {RESERVE_WAIT_S:g} s; try again later")
-
     def refuse(self, code: grpc.StatusCode, message: str) -> None:
         log.info("data plane: refused %s: %s", self.stream.peer, message)
         try:
-            self.sock.settimeout(_LINGER_S)
+            self.sock.settimeout(LINGER_S)
             self.io.sendall(status_frame(code, message))
             self.sock.shutdown(socket.SHUT_WR)
-            _drop_input(self.io, _LINGER_S)
+            _drop_input(self.io, LINGER_S)
         except OSError:
             pass
         finally:
@@ -371,12 +368,20 @@ class Connection:
             # Half-close, give the client time to read our last frame and close
             # its side (the reader drains meanwhile), then close.
             shutdown_quietly(self.sock, socket.SHUT_WR)
-            if not self.reader_done.wait(_LINGER_S):
+            if not self.reader_done.wait(LINGER_S):
                 shutdown_quietly(self.sock, socket.SHUT_RDWR)
-                self.reader_done.wait(_LINGER_S)
-            self.sock.close()
+                self.reader_done.wait(LINGER_S)
+            if self.loop_reader is None:
+                self.sock.close()
+            else:  # where the loop stops watching it first
+                self.plane.call(self._close_on_loop)
             self.plane.forget(self)
             self.plane.call(self.plane.session.close_stream, self.stream)
+
+    def _close_on_loop(self) -> None:
+        assert self.loop_reader is not None
+        self.loop_reader.finish()
+        self.sock.close()
 
 
 def _drop_input(io: Any, timeout_s: float | None = None) -> None:
@@ -393,8 +398,3 @@ def _drop_input(io: Any, timeout_s: float | None = None) -> None:
                 return
     except (OSError, ssl.SSLError):
         pass
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))

@@ -244,6 +244,15 @@ class MemoryBudget:
             self._add(nbytes, job)
             return True
 
+    def try_reserve(self, nbytes: int, job: str | None = None) -> bool:
+        """reserve() without waiting: whether `nbytes` (for `job`) were taken."""
+        with self._lock:
+            if not (self._accumulators + self._transport + nbytes <= self.limit_bytes
+                    and self.job_fits(job, nbytes)):
+                return False
+            self._add(nbytes, job)
+            return True
+
     def take_transport(self, nbytes: int, job: str | None = None) -> None:
         """Count `nbytes` a transport holds anyway (a reply queued for sending)."""
         with self._lock:
@@ -287,6 +296,15 @@ class MemoryBudget:
                 f"memory in frames and replies its clients have not read, its share of at "
                 f"most {self.job_share_bytes} (1/{JOB_TRANSPORT_SHARE} of "
                 f"--max-inflight-bytes)")
+
+    def no_room(self, nbytes: int, job: str | None, waited_s: float) -> str:
+        """Why a frame of `nbytes` (for `job`) was refused after `waited_s`."""
+        if job is not None and not self.job_fits(job, nbytes):
+            return (f"a frame of {nbytes} bytes does not fit: {self.describe_job_share(job)}, "
+                    f"and none came free within {waited_s:g} s; try again later")
+        return (f"a frame of {nbytes} bytes does not fit: the daemon holds {self.held_bytes} "
+                f"of its {self.limit_bytes} bytes (--max-inflight-bytes) and none came free "
+                f"within {waited_s:g} s; try again later")
 
     def job_fits(self, job: str | None, nbytes: int) -> bool:
         """Whether `nbytes` more for `job` stay within its share."""

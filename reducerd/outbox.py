@@ -41,7 +41,10 @@ from reducer_wire.framing import send_at_once
 
 from reducerd.limits import MemoryBudget
 
-__all__ = ["reply_nbytes", "AsyncOutbox", "ThreadOutbox"]
+__all__ = ["reply_nbytes", "AsyncOutbox", "ThreadOutbox", "GONE"]
+
+# In a data-plane outbox: the connection broke, its writer stops without a status.
+GONE = object()
 
 
 def reply_nbytes(item: Any) -> int:
@@ -252,11 +255,16 @@ class ThreadOutbox(_Counted):
             if self._waiting_room:
                 self._room.notify_all()
 
-    def wait_below(self, frames: int, nbytes: int, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` until fewer than `frames` items and `nbytes`
-        bytes (promised ones included) wait to be sent; whether they do."""
-        def below() -> bool:
+    def below(self, frames: int, nbytes: int) -> bool:
+        """Whether fewer than `frames` items and `nbytes` bytes (promised ones
+        included) wait to be sent."""
+        with self._lock:
             return self._queued() < frames and self.unsent_bytes + self._promised < nbytes
+
+    def wait_below(self, frames: int, nbytes: int, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until below(frames, nbytes); whether it is."""
+        def below() -> bool:
+            return self.below(frames, nbytes)  # the lock is re-entrant
 
         with self._lock:
             if below():

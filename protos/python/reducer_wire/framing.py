@@ -26,9 +26,9 @@ from reducer_wire.codes import status_code_from_value
 
 __all__ = ["MAGIC", "HELLO", "SHARD", "STATUS", "MAX_HELLO_BYTES", "FRAME_HEADER_BYTES",
            "Receiver", "FrameError", "TruncatedFrame", "FrameTimeout", "frame_header",
-           "read_header", "read_payload", "read_frame", "send_frame", "status_frame",
-           "parse_status", "recv_exactly", "recv_ready", "send_at_once", "set_receive_tick",
-           "shutdown_quietly", "tune_socket"]
+           "read_header", "parse_header", "read_payload", "read_frame", "send_frame",
+           "status_frame", "parse_status", "recv_exactly", "recv_ready", "send_at_once",
+           "set_receive_tick", "set_send_timeout", "shutdown_quietly", "tune_socket"]
 
 MAGIC = b"RDCRDP01"
 HELLO, SHARD, STATUS = 1, 2, 3
@@ -127,6 +127,11 @@ def read_header(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
     header = bytearray(_HEADER.size)
     if not recv_exactly(sock, memoryview(header), deadline_s, on_tick):
         return None
+    return parse_header(header, max_bytes)
+
+
+def parse_header(header: bytes | bytearray, max_bytes: int) -> tuple[int, int]:
+    """A frame header's (kind, length), checked (FrameError otherwise)."""
     kind, length = _HEADER.unpack(header)
     if kind not in (HELLO, SHARD, STATUS):
         raise FrameError(f"unknown frame kind {kind}")
@@ -159,9 +164,17 @@ def read_frame(sock: Receiver, max_bytes: int, deadline_s: float | None = None,
 def set_receive_tick(sock: socket.socket, seconds: float | None) -> None:
     """Let a blocking receive return after `seconds` without data (SO_RCVTIMEO;
     None: wait for ever), so that a reader can keep a deadline (recv_exactly)."""
-    whole = int(seconds or 0)
-    usec = int(((seconds or 0) - whole) * 1e6)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", whole, usec))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds or 0))
+
+
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """A blocking send that makes no progress for `seconds` fails (SO_SNDTIMEO)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -1,0 +1,140 @@
+"""Plain-TCP frames read on the daemon's event loop (reducerd.dataread), against a real daemon.
+
+Past its handshake a plain-TCP connection holds no thread of the daemon's;
+payloads that must wait for one of the plane's BACKLOG_FRAMES receive slots
+are each served in turn; half-closing after partial frames is answered as
+before. Raw connections speak reducer_wire.framing by hand.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from raw_frames import HELLO_OK, data_port, frame, split_frames, status_of
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.codec import decode_shard, encode_shard
+from reducer_wire.framing import SHARD
+from support import start_daemon
+
+from reducerd.dataread import BACKLOG_FRAMES
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def shard(key: str, values: np.ndarray, rank: int = 0, world_size: int = 1) -> bytes:
+    return frame(SHARD, encode_shard(job="loop", key=key, rank=rank, world_size=world_size,
+                                     dtype=pb.DTYPE_FLOAT16, op=pb.REDUCE_OP_SUM,
+                                     data=values.astype("<f2").tobytes()))
+
+
+def threads_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def read_frames(sock: socket.socket, count: int, within_s: float) -> list[tuple[int, bytes]]:
+    deadline = time.monotonic() + within_s
+    received = b""
+    while True:
+        frames, _ = split_frames(received)
+        if len(frames) >= count:
+            return frames
+        assert time.monotonic() < deadline, f"{len(frames)} of {count} frames"
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"closed after {len(frames)} of {count} frames"
+        received += chunk
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = start_daemon("--round-timeout", "30", log_dir=tmp_path)
+    yield d
+    d.stop()
+
+
+def test_connections_past_their_handshake_hold_no_thread(daemon):
+    """48 connections, each served a shard and left open: the daemon's threads
+    do not grow with them (a reader thread per connection would add 48)."""
+    host = daemon.address.rpartition(":")[0]
+    port = data_port(daemon.address)
+    socks = []
+    try:
+        for i in range(48):
+            sock = socket.create_connection((host, port), timeout=10)
+            socks.append(sock)
+            values = np.arange(64.0) + i
+            sock.sendall(HELLO_OK + shard(f"k{i}", values))
+            (kind, payload), = read_frames(sock, 1, 10)
+            assert kind == SHARD
+            got = np.frombuffer(decode_shard(payload).data, "<f2")
+            assert np.array_equal(got, values.astype(np.float16))
+        # The handshakes' threads end once their connection is handed to the loop.
+        deadline = time.monotonic() + 5
+        while (threads := threads_of(daemon.process.pid)) > 24 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threads <= 24, threads
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_payloads_beyond_the_receive_slots_are_each_served_in_turn(daemon):
+    """More connections than BACKLOG_FRAMES each start a payload and stall in
+    it: the first BACKLOG_FRAMES hold the plane's receive slots, the others
+    wait with their headers read. As the stalled payloads are finished one by
+    one, every waiting connection gets a slot in turn, and every sum is right."""
+    host = daemon.address.rpartition(":")[0]
+    port = data_port(daemon.address)
+    count = BACKLOG_FRAMES + 12
+    frames = [shard(f"slot{i}", np.full(4096, float(i % 50))) for i in range(count)]
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
+    try:
+        for sock, whole in zip(socks, frames, strict=True):
+            sock.sendall(HELLO_OK + whole[:600])  # the header and part of the payload
+        time.sleep(0.3)
+        for i, (sock, whole) in enumerate(zip(socks, frames, strict=True)):
+            sock.sendall(whole[600:])
+            (kind, payload), = read_frames(sock, 1, 10)
+            assert kind == SHARD, payload
+            reply = decode_shard(payload)
+            assert reply.key == f"slot{i}"
+            assert np.all(np.frombuffer(reply.data, "<f2") == i % 50)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_half_close_after_shards_sent_in_pieces_ends_with_ok(daemon):
+    """Two shards of world size 2 from two connections, each sent a few bytes at
+    a time (so each frame takes several reads), then both half-close: both get
+    the sums and then OK."""
+    host = daemon.address.rpartition(":")[0]
+    port = data_port(daemon.address)
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+    try:
+        wholes = [HELLO_OK + shard(f"pieces{k}", np.full(1000, rank + 1.0), rank, 2)
+                  for rank in range(2) for k in range(2)]
+        streams = [wholes[0] + wholes[1][len(HELLO_OK):], wholes[2] + wholes[3][len(HELLO_OK):]]
+        for offset in range(0, max(map(len, streams)), 777):
+            for sock, data in zip(socks, streams, strict=True):
+                if offset < len(data):
+                    sock.sendall(data[offset:offset + 777])
+            time.sleep(0.005)
+        for sock in socks:
+            sock.shutdown(socket.SHUT_WR)
+        for sock in socks:
+            frames = read_frames(sock, 3, 10)
+            assert [kind for kind, _ in frames[:2]] == [SHARD, SHARD]
+            for _, payload in frames[:2]:
+                assert np.all(np.frombuffer(decode_shard(payload).data, "<f2") == 3.0)
+            assert status_of(frames)[0] == 0, frames  # OK
+    finally:
+        for sock in socks:
+            sock.close()
