@@ -4,10 +4,9 @@ Once a plain-TCP connection has passed its handshake (on its reader thread,
 reducerd.dataconn), the loop thread reads its frames itself: the loop's
 selector watches the socket (loop.add_reader), a frame's header and payload
 are received without blocking, and a whole shard goes to the session at
-once. So no thread per connection waits for frames, and no frame crosses
-threads on its way to the table (before: per frame, a reader thread's
-wake-up, a GIL hand-off and a byte through the loop's self-pipe). Under TLS
-the connection keeps its reader thread (reducerd.dataconn).
+once: no thread per connection waits for frames, and no frame crosses
+threads on its way to the table. Under TLS the connection keeps its reader
+thread (reducerd.dataconn).
 
 The reader thread's bounds hold, each checked before a payload is read;
 where one is not met the loop stops watching the socket (the frame stays in
@@ -19,16 +18,19 @@ the kernel and TCP slows the client) and looks again every WAIT_POLL_S:
 - at most BACKLOG_FRAMES payloads being received at once, plane-wide (each
   holds its frame's buffer): a connection waits its turn (PayloadSlots).
 A payload must arrive within the frame timeout of its start (a timer, set
-only for a payload that is not all there at once); meanwhile the socket's
-SO_RCVLOWAT is what is missing, so the loop wakes once for the rest, not
-for every segment that arrives.
+only for a payload that is not all there at once). A payload of at most
+WHOLE_MAX bytes waits in the kernel until it is all there
+(reducerd.recvside): its buffer is allocated only then and filled by one
+receive, so no buffer waits in the daemon for a slow payload's bytes, and a
+stalled payload holds no receive slot. Where the kernel will not hold it all,
+or the client ends or breaks inside it, it is read in pieces into its
+buffer, with a slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,7 @@ import numpy as np
 from reducer_wire.framing import FRAME_HEADER_BYTES, SHARD, FrameError, TruncatedFrame, parse_header
 
 from reducerd.outbox import GONE
+from reducerd.recvside import WHOLE_MAX, ReceiveSide
 from reducerd.session import daemon_fault_message, decode_request
 
 if TYPE_CHECKING:
@@ -60,10 +63,8 @@ WAIT_POLL_S = 0.02
 # Frames one connection may take per wake-up before the others get theirs.
 FRAMES_PER_WAKE = 4
 _SKIP_BYTES = 1 << 16
-_RCVLOWAT = getattr(socket, "SO_RCVLOWAT", None)
-_RCVLOWAT_MAX = 1 << 20
 
-HEADER, ADMIT, PAYLOAD, SKIP, DROP, DONE = range(6)
+HEADER, ADMIT, WHOLE, PAYLOAD, SKIP, DROP, DONE = range(7)
 
 
 class LoopReader:
@@ -75,6 +76,7 @@ class LoopReader:
         self.stream = conn.stream
         self.sock = conn.sock
         self.fd = conn.sock.fileno()
+        self.receive = ReceiveSide(conn.sock)
         self.loop = conn.plane.loop
         self.slots = slots
         self.state = HEADER
@@ -93,10 +95,11 @@ class LoopReader:
         self.reserve_deadline: float | None = None
         self.pressure_noted = False
         self.frame_deadline = 0.0
-        self.lowat = 1
+        self.in_pieces = self.waited_whole = False  # how this payload is read (module doc)
         self.scratch: memoryview | None = None
 
     def start(self) -> None:
+        self.receive.open_window()
         self._watch()
 
     @property
@@ -165,13 +168,6 @@ class LoopReader:
 
     # -- the frames -----------------------------------------------------------
 
-    def _recv(self, view: memoryview) -> int | None:
-        """Bytes received into `view` without waiting; None: none there yet."""
-        try:
-            return self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return None
-
     def _step(self) -> bool:
         """Go as far as the socket allows: True once a whole frame was handled
         (another may follow), False when it must wait."""
@@ -179,6 +175,8 @@ class LoopReader:
             return self._read_header()
         if self.state == ADMIT:
             return self._admit()
+        if self.state == WHOLE:
+            return self._read_whole()
         if self.state == PAYLOAD:
             return self._read_payload()
         if self.state in (SKIP, DROP):
@@ -186,7 +184,7 @@ class LoopReader:
         return False
 
     def _read_header(self) -> bool:
-        n = self._recv(memoryview(self.header)[self.got:])
+        n = self.receive.recv(memoryview(self.header)[self.got:])
         if n is None:
             return False
         if n == 0:
@@ -211,6 +209,8 @@ class LoopReader:
         self.job = self.stream.tenant  # fixed from here on: what is counted goes back
         self.reserve_deadline = None
         self.pressure_noted = False
+        self.in_pieces = self.length > WHOLE_MAX
+        self.waited_whole = False
         self.state = ADMIT
         return self._admit()
 
@@ -240,22 +240,45 @@ class LoopReader:
                 self._give_back()
                 return self._start_skip(self.length)
             return self._pause()
+        if not self.in_pieces:
+            self.state = WHOLE
+            self.frame_deadline = time.monotonic() + self.plane.limits.frame_timeout_s
+            return self._read_whole()
         if not self.slot:
             if not self.slots.take(self):
                 self._unwatch()
                 self.paused = True  # resume_with_slot() goes on
                 return False
             self.slot = True
+        if not self.waited_whole:  # else its deadline was set when it began to wait
+            self.frame_deadline = time.monotonic() + self.plane.limits.frame_timeout_s
+        return self._start_payload()
+
+    def _read_whole(self) -> bool:
+        """Receive the payload once the kernel holds all of it; until then wait
+        (SO_RCVLOWAT: one wake-up). Woken with less, it is read in pieces."""
+        held = self.receive.queued()
+        if held < self.length:
+            if not self.waited_whole:  # the first look: wait for the rest
+                self.waited_whole = True
+                self.receive.wake_when_whole(self.length)
+                self._start_frame_timer()
+                return False
+            self.in_pieces = True  # SO_RCVLOWAT capped, or the client ended or broke
+            self.state = ADMIT
+            return self._admit()
+        return self._start_payload()
+
+    def _start_payload(self) -> bool:
         self.payload = np.empty(self.length, np.uint8).data
         self.got = 0
         self.state = PAYLOAD
-        self.frame_deadline = time.monotonic() + self.plane.limits.frame_timeout_s
         return self._read_payload()
 
     def _read_payload(self) -> bool:
         assert self.payload is not None
         if self.got < self.length:
-            n = self._recv(self.payload[self.got:])
+            n = self.receive.recv(self.payload[self.got:])
             if n is None:
                 return self._await_rest()
             if n == 0:
@@ -268,7 +291,7 @@ class LoopReader:
         self.payload = None
         self.got = 0
         self._cancel_timer()
-        self._set_lowat(1)
+        self.receive.set_lowat(1)
         self._give_slot()
         self.reserved = False
         self.state = HEADER
@@ -284,22 +307,26 @@ class LoopReader:
 
     def _await_rest(self) -> bool:
         """Wake when the rest of the payload is there, or at its deadline."""
-        self._set_lowat(min(self.length - self.got, _RCVLOWAT_MAX))
+        self.receive.wake_for_rest(self.length - self.got)
+        self._start_frame_timer()
+        return False
+
+    def _start_frame_timer(self) -> None:
         if self.timer is None:
             self.timer = self.loop.call_at(
                 self.loop.time() + max(0.0, self.frame_deadline - time.monotonic()),
                 self._frame_late)
-        return False
 
     def _frame_late(self) -> None:
         self.timer = None
-        if self.state != PAYLOAD:
+        if self.state not in (WHOLE, PAYLOAD):
             return
+        arrived = self.got if self.state == PAYLOAD else min(self.receive.queued(), self.length)
         self._give_back()
         self.stream.end(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"a frame of {self.length} bytes did not arrive within "
                         f"{self.plane.limits.frame_timeout_s:g} s of its header "
-                        f"({self.got} of {self.length} bytes arrived by the deadline)")
+                        f"({arrived} of {self.length} bytes arrived by the deadline)")
         self._start_drop(LINGER_S)
 
     def _note_pressure(self) -> None:
@@ -307,14 +334,6 @@ class LoopReader:
         if not self.pressure_noted:
             self.pressure_noted = True
             self.plane.budget.note_pressure()
-
-    def _set_lowat(self, nbytes: int) -> None:
-        if _RCVLOWAT is not None and nbytes != self.lowat:
-            try:
-                self.sock.setsockopt(socket.SOL_SOCKET, _RCVLOWAT, max(1, nbytes))
-                self.lowat = nbytes
-            except OSError:
-                pass
 
     # -- dropping what the client sends ---------------------------------------
 
@@ -328,7 +347,7 @@ class LoopReader:
         """Read and drop until the client closes (or `linger_s`, or the writer's
         linger shuts the socket down)."""
         self._cancel_timer()
-        self._set_lowat(1)
+        self.receive.set_lowat(1)
         self.state = DROP
         self.paused = False
         if linger_s is not None:
@@ -338,7 +357,7 @@ class LoopReader:
         if self.scratch is None:
             self.scratch = memoryview(bytearray(_SKIP_BYTES))
         view = self.scratch if self.state == DROP else self.scratch[:min(self.left, _SKIP_BYTES)]
-        n = self._recv(view)
+        n = self.receive.recv(view)
         if n is None:
             return False
         if n == 0:

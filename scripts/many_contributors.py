@@ -37,13 +37,15 @@ _DATA_RE = re.compile(r"data plane on (\S+):(\d+)")
 
 class _PeakRss:
     def __init__(self, pid: int, period_s: float = 0.02) -> None:
-        self.pid, self.period_s, self.peak = pid, period_s, 0
+        self.pid, self.period_s, self.peak, self.threads = pid, period_s, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.peak = max(self.peak, proc_status(self.pid)["VmRSS"])
+            status = proc_status(self.pid)
+            self.peak = max(self.peak, status["VmRSS"])
+            self.threads = max(self.threads, status["Threads"])
 
     def __enter__(self) -> _PeakRss:
         self._thread.start()
@@ -108,6 +110,7 @@ def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
         "rss_warm_bytes": ready["VmRSS"], "rss_peak_bytes": max(peak.peak, ready["VmRSS"]),
         "rss_hwm_bytes": end["VmHWM"], "open_chunk_bytes": open_chunk_bytes,
         "threads_idle": idle["Threads"], "threads_running": ready["Threads"],
+        "threads_peak": peak.threads,
     }
 
 

@@ -1,8 +1,10 @@
 """Plain-TCP frames read on the daemon's event loop (reducerd.dataread), against a real daemon.
 
-Past its handshake a plain-TCP connection holds no thread of the daemon's;
-payloads that must wait for one of the plane's BACKLOG_FRAMES receive slots
-are each served in turn; half-closing after partial frames is answered as
+Past its handshake a plain-TCP connection holds no thread of the daemon's; a
+payload waits in the kernel until it is whole, so stalled payloads hold
+neither memory nor a receive slot of the daemon's; payloads above WHOLE_MAX,
+read in pieces, wait for one of the plane's BACKLOG_FRAMES slots and are
+each served in turn; half-closing after partial frames is answered as
 before. Raw connections speak reducer_wire.framing by hand.
 """
 
@@ -21,6 +23,7 @@ from reducer_wire.framing import SHARD
 from support import start_daemon
 
 from reducerd.dataread import BACKLOG_FRAMES
+from reducerd.recvside import WHOLE_MAX
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,11 +34,17 @@ def shard(key: str, values: np.ndarray, rank: int = 0, world_size: int = 1) -> b
                                      data=values.astype("<f2").tobytes()))
 
 
-def threads_of(pid: int) -> int:
+def status_field(pid: int, name: str) -> int:
+    """A number of /proc/PID/status: Threads, or VmRSS in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    raise AssertionError("no Threads line")
+        if line.startswith(f"{name}:"):
+            value = int(line.split()[1])
+            return value * 1024 if line.endswith("kB") else value
+    raise AssertionError(f"no {name} line")
+
+
+def threads_of(pid: int) -> int:
+    return status_field(pid, "Threads")
 
 
 def read_frames(sock: socket.socket, count: int, within_s: float) -> list[tuple[int, bytes]]:
@@ -85,15 +94,58 @@ def test_connections_past_their_handshake_hold_no_thread(daemon):
             sock.close()
 
 
-def test_payloads_beyond_the_receive_slots_are_each_served_in_turn(daemon):
-    """More connections than BACKLOG_FRAMES each start a payload and stall in
-    it: the first BACKLOG_FRAMES hold the plane's receive slots, the others
-    wait with their headers read. As the stalled payloads are finished one by
-    one, every waiting connection gets a slot in turn, and every sum is right."""
+# The daemon's address space is capped: a regression that buffered every
+# stalled payload fails with MemoryError instead of taking the machine.
+_LIMITED = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+            "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_stalled_payloads_wait_in_the_kernel_not_in_the_daemon(tmp_path):
+    """40 connections (more than BACKLOG_FRAMES) each send a 2 MiB payload but
+    its last 4 KiB, and stall: the daemon allocates nothing for them (RSS grows
+    by far less than one slot's worth per BACKLOG_FRAMES: the reader used to
+    hold 16 buffers of 2 MiB, 32 MiB) and holds no receive slot, so when the
+    payloads are finished in reverse order, each is answered at once (a
+    connection that waited for a slot used to wait for the stalled ones)."""
+    daemon = start_daemon("--round-timeout", "30", log_dir=tmp_path,
+                          entry=("-c", _LIMITED.format(3 << 30)))
+    host, port = daemon.address.rpartition(":")[0], data_port(daemon.address)
+    count, elements = BACKLOG_FRAMES + 24, 1 << 20  # float16: 2 MiB each
+    frames = [shard(f"stall{i}", np.full(elements, float(i % 50))) for i in range(count)]
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
+    try:
+        for sock in socks:  # handshakes and first frames' windows settle first
+            sock.sendall(HELLO_OK)
+        time.sleep(0.3)
+        before = status_field(daemon.process.pid, "VmRSS")
+        for sock, whole in zip(socks, frames, strict=True):
+            sock.sendall(whole[:-4096])
+        time.sleep(0.5)
+        grown = status_field(daemon.process.pid, "VmRSS") - before
+        assert grown < 8 << 20, f"RSS +{grown / 2**20:.1f} MiB for {count} stalled payloads"
+        for i in reversed(range(count)):
+            socks[i].sendall(frames[i][-4096:])
+            (kind, payload), = read_frames(socks[i], 1, 10)
+            assert kind == SHARD, payload
+            reply = decode_shard(payload)
+            assert reply.key == f"stall{i}"
+            assert np.all(np.frombuffer(reply.data, "<f2") == i % 50)
+    finally:
+        for sock in socks:
+            sock.close()
+        daemon.stop()
+
+
+def test_payloads_read_in_pieces_beyond_the_receive_slots_are_each_served_in_turn(daemon):
+    """Payloads above WHOLE_MAX are read in pieces, each holding one of the
+    plane's receive slots. More connections than BACKLOG_FRAMES each start one
+    and stall in it: the first BACKLOG_FRAMES hold the slots, the others wait
+    with their headers read. As the stalled payloads are finished one by one,
+    every waiting connection gets a slot in turn, and every sum is right."""
     host = daemon.address.rpartition(":")[0]
     port = data_port(daemon.address)
-    count = BACKLOG_FRAMES + 12
-    frames = [shard(f"slot{i}", np.full(4096, float(i % 50))) for i in range(count)]
+    count, elements = BACKLOG_FRAMES + 4, WHOLE_MAX // 2 + 4096
+    frames = [shard(f"slot{i}", np.full(elements, float(i % 50))) for i in range(count)]
     socks = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
     try:
         for sock, whole in zip(socks, frames, strict=True):
