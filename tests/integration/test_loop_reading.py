@@ -61,6 +61,16 @@ def read_frames(sock: socket.socket, count: int, within_s: float) -> list[tuple[
         received += chunk
 
 
+def finish_and_check(sock: socket.socket, rest: bytes, key: str, value: float) -> None:
+    """Send the rest of a world-size-1 shard; its reply comes within 10 s, the sum right."""
+    sock.sendall(rest)
+    (kind, payload), = read_frames(sock, 1, 10)
+    assert kind == SHARD, payload
+    reply = decode_shard(payload)
+    assert reply.key == key
+    assert np.all(np.frombuffer(reply.data, "<f2") == value)
+
+
 @pytest.fixture
 def daemon(tmp_path):
     d = start_daemon("--round-timeout", "30", log_dir=tmp_path)
@@ -124,12 +134,7 @@ def test_stalled_payloads_wait_in_the_kernel_not_in_the_daemon(tmp_path):
         grown = status_field(daemon.process.pid, "VmRSS") - before
         assert grown < 8 << 20, f"RSS +{grown / 2**20:.1f} MiB for {count} stalled payloads"
         for i in reversed(range(count)):
-            socks[i].sendall(frames[i][-4096:])
-            (kind, payload), = read_frames(socks[i], 1, 10)
-            assert kind == SHARD, payload
-            reply = decode_shard(payload)
-            assert reply.key == f"stall{i}"
-            assert np.all(np.frombuffer(reply.data, "<f2") == i % 50)
+            finish_and_check(socks[i], frames[i][-4096:], f"stall{i}", i % 50)
     finally:
         for sock in socks:
             sock.close()
@@ -152,12 +157,7 @@ def test_payloads_read_in_pieces_beyond_the_receive_slots_are_each_served_in_tur
             sock.sendall(HELLO_OK + whole[:600])  # the header and part of the payload
         time.sleep(0.3)
         for i, (sock, whole) in enumerate(zip(socks, frames, strict=True)):
-            sock.sendall(whole[600:])
-            (kind, payload), = read_frames(sock, 1, 10)
-            assert kind == SHARD, payload
-            reply = decode_shard(payload)
-            assert reply.key == f"slot{i}"
-            assert np.all(np.frombuffer(reply.data, "<f2") == i % 50)
+            finish_and_check(sock, whole[600:], f"slot{i}", i % 50)
     finally:
         for sock in socks:
             sock.close()
