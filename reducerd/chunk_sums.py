@@ -106,8 +106,10 @@ class PooledSums:
     def takes(self, part: Contribution) -> bool:
         """Whether the chunk `part` opens is summed on the pool: a hand-off to a
         summing thread and back costs about as much CPU as adding 100-200 KiB
-        (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline."""
-        return len(part.data) >= self.pool.min_chunk_bytes
+        (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline,
+        and so is every chunk while the daemon uses at most about one core
+        (pool.busy: reducerd.busy)."""
+        return self.pool.busy and len(part.data) >= self.pool.min_chunk_bytes
 
     def c_pool_for(self, part: Contribution) -> CSummingPool | None:
         """The C pool, if the chunk `part` opens is summed by its C tasks."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from reducerd.busy import DEFAULT_POOL_BUSY_CORES
 from reducerd.limits import job_inflight_limit
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
@@ -93,6 +94,8 @@ class Config:
     # are summed on the summing threads, smaller ones inline on the loop thread
     # (a hand-off there and back costs the CPU of adding 100-200 KiB; 0: all).
     pool_chunk_bytes: int = DEFAULT_POOL_CHUNK_BYTES
+    # With threads > 1: pool new chunks only while the daemon is this busy (reducerd.busy).
+    pool_busy_cores: float = DEFAULT_POOL_BUSY_CORES
     # Not an option: REDUCER_WIRE_NUMPY=1 sums and converts in NumPy instead of
     # reducer_wire's C kernels (same results; for comparison and debugging).
     wire_numpy: bool = False
@@ -158,19 +161,16 @@ class Config:
         if self.max_open_chunks_per_job < 1:
             raise ConfigError(f"max_open_chunks_per_job: must be >= 1, got "
                               f"{self.max_open_chunks_per_job}")
-        if self.max_inflight_bytes_per_job < 0:
-            raise ConfigError(f"max_inflight_bytes_per_job: must be >= 0 (0: half of "
-                              f"max_inflight_bytes), got {self.max_inflight_bytes_per_job}")
         if not 1 <= self.max_world_size <= _WORLD_SIZE_FIELD_MAX:
             raise ConfigError(f"max_world_size: must be between 1 and {_WORLD_SIZE_FIELD_MAX}, "
                               f"got {self.max_world_size}")
         if not 1 <= self.threads <= MAX_THREADS:
             raise ConfigError(f"threads: must be between 1 and {MAX_THREADS}, got "
                               f"{self.threads}")
-        if self.pool_chunk_bytes < 0:
-            raise ConfigError(f"pool_chunk_bytes: must be >= 0, got {self.pool_chunk_bytes}")
-        if self.metrics_max_jobs < 0:
-            raise ConfigError(f"metrics_max_jobs: must be >= 0, got {self.metrics_max_jobs}")
+        for name in ("max_inflight_bytes_per_job", "pool_chunk_bytes", "pool_busy_cores",
+                     "metrics_max_jobs"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         self._validate_credential()
         if self.metrics_auth_file and not self.metrics_listen:
             raise ConfigError("metrics_auth_file: needs metrics_listen")
@@ -286,6 +286,7 @@ _FLAGS = {
     "--max-world-size": "max_world_size",
     "--threads": "threads",
     "--pool-chunk-bytes": "pool_chunk_bytes",
+    "--pool-busy-cores": "pool_busy_cores",
 }
 _HELP = {
     "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
@@ -320,6 +321,8 @@ _HELP = {
     "pool_chunk_bytes": f"with --threads > 1, sum chunks of at least this many wire bytes on "
                         f"the summing threads, smaller ones on the event loop's thread "
                         f"(default {DEFAULT_POOL_CHUNK_BYTES}; 0: every chunk)",
+    "pool_busy_cores": f"with --threads > 1, pool chunks only while the daemon uses this many "
+                       f"cores, else sum inline (default {DEFAULT_POOL_BUSY_CORES}; 0: always)",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
                    "the default) or 'off'; over TLS under --tls-cert",
 }

@@ -25,6 +25,7 @@ from reducer_wire.tls import server_context
 
 from reducerd.access import Access
 from reducerd.binding import add_port
+from reducerd.busy import SAMPLE_S, BusyGate
 from reducerd.config import Config
 from reducerd.dataplane import DataPlane
 from reducerd.grpc_service import ReducerServicer
@@ -221,7 +222,8 @@ class Daemon:
         self.notifier.ready(f"serving on port {self.port}")
         tasks = [asyncio.create_task(self._expire_loop()),
                  asyncio.create_task(self.notifier.watchdog_loop()),
-                 asyncio.create_task(self._trim_loop())]
+                 asyncio.create_task(self._trim_loop()),
+                 asyncio.create_task(self._busy_loop())]
         await self._stop.wait()
         await self._drain()
         for task in tasks:
@@ -243,6 +245,20 @@ class Daemon:
             except Exception:
                 log.exception("reducerd fault while expiring chunks and streams; "
                               "trying again in %g s", period_s)
+
+    async def _busy_loop(self) -> None:
+        """Every SAMPLE_S: whether new chunks go to the summing threads (reducerd.busy)."""
+        if self.summing is None:
+            return
+        gate = BusyGate(self.config.pool_busy_cores)
+        self.summing.busy = gate.busy
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            busy = gate.sample()
+            if busy != self.summing.busy:
+                log.debug("new chunks summed %s (the daemon used %.2f cores)",
+                          "on the summing threads" if busy else "inline", gate.cores)
+            self.summing.busy = busy
 
     async def _trim_loop(self) -> None:
         """Once a second: give the heaps' free memory back when idle or at a

@@ -94,8 +94,10 @@ class SummingPool:
         self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         # Chunks of fewer wire bytes per contribution are summed on the loop
-        # thread instead (reducerd.chunk_sums.PooledSums.takes).
+        # thread instead (reducerd.chunk_sums.PooledSums.takes), and so is every
+        # new chunk while `busy` is False (set by the daemon: reducerd.busy).
         self.min_chunk_bytes = min_chunk_bytes
+        self.busy = True
         self._parts = [_Partition() for _ in range(threads)]
         # _lock guards the counts (_queued_bytes, _pending, each partition's
         # queued_bytes), _closed and _waiters; taken by the loop thread in

@@ -84,6 +84,7 @@ class CSummingPool:
         self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         self.min_chunk_bytes = min_chunk_bytes
+        self.busy = True  # as SummingPool's
         self._c = _sumpool.Pool(threads, self.queued_bytes_at_most)
         # Python tasks get their partition's scratch: a partition runs on one thread.
         self._scratch = [WideningBuffer() for _ in range(threads)]

@@ -79,7 +79,7 @@ def _grpc_call(channel, key: str, nbytes: int = MiB):
 
 def test_a_job_that_never_reads_keeps_to_its_share_of_the_limit(tmp_path):
     daemon = limited_daemon("--max-inflight-bytes", str(LIMIT), "--round-timeout", "8",
-                            "--threads", str(THREADS), log_dir=tmp_path)
+                            "--threads", str(THREADS), "--pool-busy-cores", "0", log_dir=tmp_path)
     socks, channels, calls = [], [], []
     try:
         port = data_port(daemon.address)

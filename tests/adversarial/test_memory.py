@@ -214,7 +214,8 @@ def test_steady_reductions_leave_nothing_for_the_cyclic_gc(tmp_path):
     from reducer_client import ReducerClient
     from reducer_wire.layout import pipelined_chunk_bytes, plan_wire_chunks
 
-    daemon = limited_daemon("--threads", "2", "--pool-chunk-bytes", "0", log_dir=tmp_path,
+    daemon = limited_daemon("--threads", "2", "--pool-chunk-bytes", "0", "--pool-busy-cores", "0",
+                            log_dir=tmp_path,
                             prelude="import gc; gc.disable()")
     gradient = np.ones(4 << 20, np.float32)  # 8 MiB on the float16 wire
     chunks = len(plan_wire_chunks(gradient.size, pb.DTYPE_FLOAT16, 1,

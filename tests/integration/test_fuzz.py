@@ -342,7 +342,8 @@ def fuzz(request, tmp_path):
     pooled = request.param == "pooled"
     if pooled:
         daemon = start_daemon("--round-timeout", str(ROUND_TIMEOUT_S), "--threads", "2",
-                              "--pool-chunk-bytes", "0", log_dir=tmp_path,
+                              "--pool-chunk-bytes", "0", "--pool-busy-cores", "0",
+                              log_dir=tmp_path,
                               entry=("-c", DELAYED_SUMS))
     else:
         daemon = start_daemon("--round-timeout", str(ROUND_TIMEOUT_S), "--threads", "1",

@@ -37,8 +37,10 @@ def data_port(daemon) -> int:
 
 
 def reduce_through(threads: int, world_size: int) -> tuple[list[list[dict]], str]:
-    # --pool-chunk-bytes 0: every chunk, small as these are, on the summing threads.
+    # --pool-chunk-bytes 0 --pool-busy-cores 0: every chunk, small as these are, on the
+    # summing threads, however idle the daemon.
     daemon = start_daemon("--threads", str(threads), "--pool-chunk-bytes", "0",
+                          "--pool-busy-cores", "0",
                           "--round-timeout", "60")
     try:
         results = run_workers(matrix_worker, world_size,
@@ -74,7 +76,8 @@ def test_two_workers_are_bit_identical_to_one_summing_thread():
 
 
 def test_many_contributors_get_exact_sums_from_two_summing_threads():
-    daemon = start_daemon("--threads", "2", "--pool-chunk-bytes", "0", "--round-timeout", "60")
+    daemon = start_daemon("--threads", "2", "--pool-chunk-bytes", "0", "--pool-busy-cores", "0",
+                          "--round-timeout", "60")
     try:
         spec = LoadSpec("127.0.0.1", data_port(daemon), contributors=32,
                         key_bytes=400_000, chunk_bytes=64 << 10, rounds=3, warmup=1,
