@@ -211,6 +211,7 @@ class LoopReader:
         self.pressure_noted = False
         self.in_pieces = self.length > WHOLE_MAX
         self.waited_whole = False
+        self.frame_deadline = 0.0  # set when the payload starts (_admit)
         self.state = ADMIT
         return self._admit()
 
@@ -240,9 +241,10 @@ class LoopReader:
                 self._give_back()
                 return self._start_skip(self.length)
             return self._pause()
+        if not self.frame_deadline:  # the payload starts: its deadline runs from here
+            self.frame_deadline = time.monotonic() + self.plane.limits.frame_timeout_s
         if not self.in_pieces:
             self.state = WHOLE
-            self.frame_deadline = time.monotonic() + self.plane.limits.frame_timeout_s
             return self._read_whole()
         if not self.slot:
             if not self.slots.take(self):
@@ -250,8 +252,6 @@ class LoopReader:
                 self.paused = True  # resume_with_slot() goes on
                 return False
             self.slot = True
-        if not self.waited_whole:  # else its deadline was set when it began to wait
-            self.frame_deadline = time.monotonic() + self.plane.limits.frame_timeout_s
         return self._start_payload()
 
     def _read_whole(self) -> bool:

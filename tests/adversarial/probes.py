@@ -27,26 +27,18 @@ from reducer_client import ReducerClient
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from reducer_wire.framing import HELLO, MAGIC, STATUS, frame_header
-from support import DaemonProcess, start_daemon
+from support import (  # noqa: F401 (AS_LIMIT_BYTES, limited_daemon: the probes import them here)
+    AS_LIMIT_BYTES,
+    DaemonProcess,
+    limited_daemon,
+    start_daemon,
+)
 
 LONG = os.environ.get("REDUCER_ADVERSARIAL", "") == "long"
 GiB, MiB = 1 << 30, 1 << 20
 # The daemon's whole address space: ~0.8 GiB at rest (libraries, thread stacks).
-AS_LIMIT_BYTES = 3 * GiB
 # RSS besides what --max-inflight-bytes admits: socket buffers, gRPC's own, the allocator's.
 RSS_SLACK = 48 * MiB
-
-_LIMITED_ENTRY = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
-                  "{1}; from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
-
-
-def limited_daemon(*args: str, log_dir: Path, as_limit_bytes: int = AS_LIMIT_BYTES,
-                   env: dict[str, str] | None = None, prelude: str = "pass") -> DaemonProcess:
-    """`reducerd --listen 127.0.0.1:0 ARGS` with its address space capped;
-    `prelude`: Python run first (e.g. a smaller cap patched into a module)."""
-    return start_daemon(*args, log_dir=log_dir, env=env,
-                        entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes), prelude)))
-
 
 def token_daemon(token: str, *args: str, log_dir: Path, prelude: str = "pass",
                  ) -> DaemonProcess:

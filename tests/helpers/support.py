@@ -16,12 +16,19 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from reducerd.local import DaemonProcess, Daemons, running_daemons, start_daemon
 
-__all__ = ["DaemonProcess", "Daemons", "running_daemons", "start_daemon", "run_workers",
-           "WorkerFailed"]
+# A daemon under RLIMIT_AS: a memory regression fails with MemoryError instead
+# of taking the machine down.
+AS_LIMIT_BYTES = 3 << 30
+_LIMITED_ENTRY = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+                  "{1}; from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
+
+__all__ = ["DaemonProcess", "Daemons", "running_daemons", "start_daemon", "limited_daemon",
+           "AS_LIMIT_BYTES", "run_workers", "WorkerFailed"]
 
 class WorkerFailed(AssertionError):
     pass
@@ -114,3 +121,11 @@ class KeySpy:
     def allreduce_async(self, array: Any, key: str, op: str = "sum", **kwargs: Any) -> Any:
         self.keys.append(key)
         return self.inner.allreduce_async(array, key, op, **kwargs)
+
+
+def limited_daemon(*args: str, log_dir: Path, as_limit_bytes: int = AS_LIMIT_BYTES,
+                   env: dict[str, str] | None = None, prelude: str = "pass") -> DaemonProcess:
+    """`reducerd --listen 127.0.0.1:0 ARGS` with its address space capped;
+    `prelude`: Python run first (e.g. a smaller cap patched into a module)."""
+    return start_daemon(*args, log_dir=log_dir, env=env,
+                        entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes), prelude)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,9 @@ from raw_frames import HELLO_OK, data_port, frame, split_frames, status_of
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import decode_shard, encode_shard
 from reducer_wire.framing import SHARD
-from support import start_daemon
+from support import limited_daemon, start_daemon
 
+from reducerd.bench.procs import proc_status
 from reducerd.dataread import BACKLOG_FRAMES
 from reducerd.recvside import WHOLE_MAX
 
@@ -32,19 +32,6 @@ def shard(key: str, values: np.ndarray, rank: int = 0, world_size: int = 1) -> b
     return frame(SHARD, encode_shard(job="loop", key=key, rank=rank, world_size=world_size,
                                      dtype=pb.DTYPE_FLOAT16, op=pb.REDUCE_OP_SUM,
                                      data=values.astype("<f2").tobytes()))
-
-
-def status_field(pid: int, name: str) -> int:
-    """A number of /proc/PID/status: Threads, or VmRSS in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{name}:"):
-            value = int(line.split()[1])
-            return value * 1024 if line.endswith("kB") else value
-    raise AssertionError(f"no {name} line")
-
-
-def threads_of(pid: int) -> int:
-    return status_field(pid, "Threads")
 
 
 def read_frames(sock: socket.socket, count: int, within_s: float) -> list[tuple[int, bytes]]:
@@ -96,18 +83,13 @@ def test_connections_past_their_handshake_hold_no_thread(daemon):
             assert np.array_equal(got, values.astype(np.float16))
         # The handshakes' threads end once their connection is handed to the loop.
         deadline = time.monotonic() + 5
-        while (threads := threads_of(daemon.process.pid)) > 24 and time.monotonic() < deadline:
+        pid = daemon.process.pid
+        while (threads := proc_status(pid)["Threads"]) > 24 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert threads <= 24, threads
     finally:
         for sock in socks:
             sock.close()
-
-
-# The daemon's address space is capped: a regression that buffered every
-# stalled payload fails with MemoryError instead of taking the machine.
-_LIMITED = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
-            "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
 
 
 def test_stalled_payloads_wait_in_the_kernel_not_in_the_daemon(tmp_path):
@@ -117,8 +99,7 @@ def test_stalled_payloads_wait_in_the_kernel_not_in_the_daemon(tmp_path):
     hold 16 buffers of 2 MiB, 32 MiB) and holds no receive slot, so when the
     payloads are finished in reverse order, each is answered at once (a
     connection that waited for a slot used to wait for the stalled ones)."""
-    daemon = start_daemon("--round-timeout", "30", log_dir=tmp_path,
-                          entry=("-c", _LIMITED.format(3 << 30)))
+    daemon = limited_daemon("--round-timeout", "30", log_dir=tmp_path)  # under RLIMIT_AS
     host, port = daemon.address.rpartition(":")[0], data_port(daemon.address)
     count, elements = BACKLOG_FRAMES + 24, 1 << 20  # float16: 2 MiB each
     frames = [shard(f"stall{i}", np.full(elements, float(i % 50))) for i in range(count)]
@@ -127,11 +108,11 @@ def test_stalled_payloads_wait_in_the_kernel_not_in_the_daemon(tmp_path):
         for sock in socks:  # handshakes and first frames' windows settle first
             sock.sendall(HELLO_OK)
         time.sleep(0.3)
-        before = status_field(daemon.process.pid, "VmRSS")
+        before = proc_status(daemon.process.pid)["VmRSS"]
         for sock, whole in zip(socks, frames, strict=True):
             sock.sendall(whole[:-4096])
         time.sleep(0.5)
-        grown = status_field(daemon.process.pid, "VmRSS") - before
+        grown = proc_status(daemon.process.pid)["VmRSS"] - before
         assert grown < 8 << 20, f"RSS +{grown / 2**20:.1f} MiB for {count} stalled payloads"
         for i in reversed(range(count)):
             finish_and_check(socks[i], frames[i][-4096:], f"stall{i}", i % 50)
