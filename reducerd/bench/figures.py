@@ -7,6 +7,11 @@ every system alike (reducerd included), so busbw compares with nccl-tests
 figures and the ratios between systems equal the algbw ratios. What each
 system really puts on a link is in the byte counts of --emulate-cluster.
 
+Paired (the DDP hook): the core's allreduce(op="mean", out=) of the same
+bucket, timed in every iteration beside the hook in alternating order on
+the same workers and daemons; "paired_core" holds its times and the hook's
+time over the core's, per iteration (median, min, max).
+
 Bytes (emulated cluster only): a node's link counters, read by its local rank
 0 around each timed allreduce (after a barrier that every rank of the run
 passes once done; one barrier's own bytes are subtracted), averaged over the
@@ -89,6 +94,17 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _paired(slowest: list[float], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The core's times in the same iterations (each its slowest rank's), and
+    this system's time over the core's, iteration by iteration."""
+    core = [max(times) for times in zip(*(r["reference_times_s"] for r in records),
+                                        strict=True)]
+    ratios = [ours / theirs for ours, theirs in zip(slowest, core, strict=True)]
+    return {"time_s": {"median": statistics.median(core), "min": min(core), "max": max(core)},
+            "ratio": {"median": statistics.median(ratios), "min": min(ratios),
+                      "max": max(ratios)}}
+
+
 def _result(system: str, size_bytes: int, records: list[dict[str, Any]],
             config: BenchConfig) -> dict[str, Any]:
     iterations = zip(*(r["times_s"] for r in records), strict=True)
@@ -100,6 +116,8 @@ def _result(system: str, size_bytes: int, records: list[dict[str, Any]],
         "time_s": {"median": median, "min": min(slowest), "max": max(slowest)},
         "algbw_GBps": algbw, "busbw_GBps": algbw * config.busbw_factor,
     }
+    if records[0].get("reference_times_s"):
+        result["paired_core"] = _paired(slowest, records)
     if config.emulate_cluster:
         per_node = config.workers_per_node
         node_records = records[::per_node]  # local rank 0 of every node

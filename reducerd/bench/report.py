@@ -62,6 +62,14 @@ def render_table(console: Console, config: BenchConfig, results: list[dict[str, 
         table.add_row(*row, end_section=False)
         previous_size = r["size_bytes"]
     console.print(table)
+    for r in results:
+        if "paired_core" in r:
+            ratio, core = r["paired_core"]["ratio"], r["paired_core"]["time_s"]
+            console.print(
+                f"{r['system']} {format_size(r['size_bytes'])}: {ratio['median']:.3f}x the "
+                f"core's allreduce(out=) in the same iterations (median of {config.iters} "
+                f"pairs, {ratio['min']:.2f}-{ratio['max']:.2f}x; core median "
+                f"{format_ms(core['median'])} ms)")
 
 
 def config_record(config: BenchConfig, systems: list[str], skipped: dict[str, str],

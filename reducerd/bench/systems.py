@@ -157,6 +157,22 @@ class _Bucket:
         return []  # join() would copy them from the last joiner; the bench never joins
 
 
+class CoreMeanComm(ReducerdComm):
+    """The core's allreduce(op="mean", out=) of what DdpHookComm's bucket holds,
+    on DdpHookComm's client: the reference the hook is paired with."""
+
+    def __init__(self, client: Any, rank: int, world_size: int) -> None:
+        self.client, self.rank, self.world_size = client, rank, world_size
+        self._token = np.zeros(1, dtype=np.float32)
+
+    def prepare(self, numel: int) -> None:
+        super().prepare(numel)
+        self.values *= self.world_size  # the mean is then the core path's sum
+
+    def run(self) -> None:
+        self.client.allreduce(self.x, key=self.key, op="mean", out=self.out)
+
+
 class DdpHookComm(ReducerdComm):
     """A float32 DDP bucket through reducer_client.torch.allreduce_hook, as DDP calls it.
 
@@ -165,6 +181,11 @@ class DdpHookComm(ReducerdComm):
     path's sum, a small integer exact in float16 (up to 4 * 512 ranks). The
     timed region is the hook call and the wait for its future, what DDP's
     backward pays for the bucket; refill() restores the bucket outside it.
+
+    `reference` is the same reduction through the core (CoreMeanComm):
+    run_sweep times it in every iteration beside the hook, in alternating
+    order, so the hook's cost over the core is measured against the same
+    daemons at the same moment, not against another phase of the run.
     """
 
     def __init__(self, spec: dict[str, Any]) -> None:
@@ -174,14 +195,17 @@ class DdpHookComm(ReducerdComm):
         super().__init__(spec)
         self.torch, self.hook = torch, rt.allreduce_hook
         self.world_size = spec["world_size"]
+        self.reference = CoreMeanComm(self.client, self.rank, self.world_size)
 
     def prepare(self, numel: int) -> None:
         self.src = self.torch.full((numel,), float(rank_value(self.rank) * self.world_size),
                                    dtype=self.torch.float32)
         self.bucket = _Bucket(0, self.src.clone())
+        self.reference.prepare(numel)
 
     def refill(self) -> None:
         self.bucket.buffer().copy_(self.src)
+        self.reference.refill()
 
     def run(self) -> None:
         # _Bucket stands in for dist.GradBucket: it has what the hook calls.
@@ -328,28 +352,47 @@ def run_sweep(comm: Comm, spec: dict[str, Any], emit: Callable[..., None]) -> No
     barrier_rx, barrier_tx = _calibrate_barrier_bytes(comm, iface) if iface else (0, 0)
     expected = _expected(spec["world_size"])
     allowed = _allowed_error(spec, expected)
+    reference: Comm | None = getattr(comm, "reference", None)
     for size_bytes in spec["sizes_bytes"]:
         comm.prepare(size_bytes // 4)
         times_s: list[float] = []
+        reference_s: list[float] = []
         received: list[float] = []
         sent: list[float] = []
         for it in range(spec["warmup"] + spec["iters"]):
             comm.refill()
+            # The reference goes first in odd iterations, second in even ones,
+            # and is left out of the byte counts (a barrier ends it first).
+            if reference is not None and it % 2:
+                reference_s.append(_timed(reference, barrier_after=bool(iface)))
             if iface:  # before the barrier: a node's other ranks may start right after it
                 rx0, tx0 = read_counters(iface)
-            comm.barrier()
-            start = time.perf_counter()
-            comm.run()
-            elapsed = time.perf_counter() - start
+            elapsed = _timed(comm, barrier_after=bool(iface))
             if iface:
-                comm.barrier()
                 rx1, tx1 = read_counters(iface)
+            if reference is not None and not it % 2:
+                reference_s.append(_timed(reference, barrier_after=False))
             if it >= spec["warmup"]:
                 times_s.append(elapsed)
                 if iface:
                     received.append(rx1 - rx0 - 2 * barrier_rx)
                     sent.append(tx1 - tx0 - 2 * barrier_tx)
             emit("iter", size_bytes=size_bytes, iteration=it)
-        comm.check(size_bytes // 4, expected, allowed, f"{spec['system']} {size_bytes} bytes")
+        label = f"{spec['system']} {size_bytes} bytes"
+        comm.check(size_bytes // 4, expected, allowed, label)
+        if reference is not None:
+            reference.check(size_bytes // 4, expected, allowed, f"{label}, the core beside it")
         emit("size", size_bytes=size_bytes, times_s=times_s,
+             reference_times_s=reference_s[spec["warmup"]:] or None,
              bytes_received=received or None, bytes_sent=sent or None)
+
+
+def _timed(comm: Comm, barrier_after: bool) -> float:
+    """Seconds of one comm.run() on this rank, started after a barrier."""
+    comm.barrier()
+    start = time.perf_counter()
+    comm.run()
+    elapsed = time.perf_counter() - start
+    if barrier_after:
+        comm.barrier()
+    return elapsed

@@ -22,7 +22,14 @@ def check_results(data: dict, systems: list[str], sizes: list[int],
         {(s, n) for s in systems for n in sizes}
     assert len(data["results"]) == len(systems) * len(sizes)
     for r in data["results"]:
-        assert set(r) == RESULT_KEYS | extra_keys, r
+        paired = {"paired_core"} if r["system"] == "reducerd-ddp-hook" else set()
+        assert set(r) == RESULT_KEYS | extra_keys | paired, r
+        if paired:  # the core beside the hook in the same iterations
+            core, ratio = r["paired_core"]["time_s"], r["paired_core"]["ratio"]
+            assert 0 < core["min"] <= core["median"] <= core["max"]
+            assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+            assert ratio["min"] <= r["time_s"]["max"] / core["min"]
+            assert ratio["max"] >= r["time_s"]["min"] / core["max"]
         assert set(r["time_s"]) == TIME_KEYS
         t = r["time_s"]
         assert 0 < t["min"] <= t["median"] <= t["max"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from reducerd.bench.cli import UsageError, build_parser, config_from_argv, main
 from reducerd.bench.config import BenchConfig
 from reducerd.bench.figures import aggregate, line_rate_bound_s, theory_bytes_per_node
 from reducerd.bench.runner import _available
+from reducerd.bench.systems import Comm
 from reducerd.bench.units import parse_rate, parse_sizes, parse_time
 
 BASE = ["--workers", "4", "--daemons", "2"]
@@ -170,6 +172,73 @@ def test_aggregate_takes_the_slowest_rank_per_iteration():
     assert result["time_s"] == {"median": 3.0, "min": 2.0, "max": 4.0}
     assert result["algbw_GBps"] == pytest.approx(1024 / 3.0 / 1e9)
     assert result["busbw_GBps"] == pytest.approx(result["algbw_GBps"])  # 2(N-1)/N = 1
+
+
+def test_aggregate_pairs_the_hook_with_the_core_iteration_by_iteration():
+    """paired_core: the core's slowest rank per iteration, and the hook's slowest over it."""
+    config = BenchConfig(workers=2, daemons=1, sizes_bytes=(1024,), iters=3)
+    records = {"reducerd-ddp-hook": {
+        0: [{"size_bytes": 1024, "times_s": [1.0, 2.0, 3.0], "reference_times_s": [2.0, 1.0, 1.0]}],
+        1: [{"size_bytes": 1024, "times_s": [4.0, 1.0, 1.0], "reference_times_s": [1.0, 4.0, 2.0]}],
+    }}
+    (result,) = aggregate(config, records)
+    assert result["time_s"] == {"median": 3.0, "min": 2.0, "max": 4.0}  # 4, 2, 3
+    paired = result["paired_core"]
+    assert paired["time_s"] == {"median": 2.0, "min": 2.0, "max": 4.0}  # 2, 4, 2
+    # 4/2, 2/4, 3/2: the ratio of the same iteration, not of the two medians (1.5).
+    assert paired["ratio"] == {"median": 1.5, "min": 0.5, "max": 2.0}
+    plain = {"reducerd": {rank: [{"size_bytes": 1024, "times_s": [1.0, 1.0, 1.0],
+                                  "reference_times_s": None}] for rank in (0, 1)}}
+    assert "paired_core" not in aggregate(config, plain)[0]
+
+
+def test_run_sweep_alternates_the_reference_and_checks_both():
+    """The hook's reference runs in every iteration, first in odd ones and second in
+    even ones, each after a barrier; warm-up left out; a wrong reference fails the run."""
+    from reducerd.bench.systems import run_sweep
+
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+
+        def prepare(self, numel):  # as DdpHookComm: its reference's too
+            self.out = np.zeros(numel, np.float32)
+            if hasattr(self, "reference"):
+                self.reference.prepare(numel)
+
+        def refill(self):
+            self.out[:] = 0
+            if hasattr(self, "reference"):
+                self.reference.refill()
+
+        def run(self):
+            log.append(self.name)
+            self.out[:] = self.value
+
+        def result(self):
+            return self.out
+
+        def barrier(self):
+            log.append("barrier")
+
+        check = Comm.check
+
+    comm, reference = Fake("hook", 3), Fake("core", 3)
+    comm.reference = reference
+    events = []
+    spec = {"world_size": 2, "system": "reducerd-ddp-hook", "wire_dtype": "float16",
+            "sizes_bytes": [16], "warmup": 1, "iters": 3}
+    run_sweep(comm, spec, lambda event, **fields: events.append((event, fields)))
+    runs = [entry for entry in log if entry != "barrier"]
+    assert runs == ["hook", "core", "core", "hook", "hook", "core", "core", "hook"]
+    assert log.count("barrier") == 8  # one before each run, none after (no interface)
+    (size,) = [fields for event, fields in events if event == "size"]
+    assert len(size["times_s"]) == len(size["reference_times_s"]) == 3
+    reference.value = 4  # the expected sum of ranks 0 and 1 is 1 + 2
+    with pytest.raises(AssertionError, match="the core beside it"):
+        run_sweep(comm, spec, lambda event, **fields: None)
 
 
 def test_result_check_is_exact_but_on_the_8bit_wires():
