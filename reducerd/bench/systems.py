@@ -108,8 +108,8 @@ def _reducer_client(spec: dict[str, Any]) -> Any:
 class ReducerdComm(Comm):
     """ReducerClient.allreduce of the float32 array (casts to the wire dtype inside)."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.client = _reducer_client(spec)
+    def __init__(self, spec: dict[str, Any], client: Any = None) -> None:
+        self.client = _reducer_client(spec) if client is None else client
         self.rank = spec["rank"]
         self._token = np.zeros(1, dtype=np.float32)
 
@@ -161,9 +161,9 @@ class CoreMeanComm(ReducerdComm):
     """The core's allreduce(op="mean", out=) of what DdpHookComm's bucket holds,
     on DdpHookComm's client: the reference the hook is paired with."""
 
-    def __init__(self, client: Any, rank: int, world_size: int) -> None:
-        self.client, self.rank, self.world_size = client, rank, world_size
-        self._token = np.zeros(1, dtype=np.float32)
+    def __init__(self, spec: dict[str, Any], client: Any) -> None:
+        super().__init__(spec, client)
+        self.world_size = spec["world_size"]
 
     def prepare(self, numel: int) -> None:
         super().prepare(numel)
@@ -195,7 +195,7 @@ class DdpHookComm(ReducerdComm):
         super().__init__(spec)
         self.torch, self.hook = torch, rt.allreduce_hook
         self.world_size = spec["world_size"]
-        self.reference = CoreMeanComm(self.client, self.rank, self.world_size)
+        self.reference = CoreMeanComm(spec, self.client)
 
     def prepare(self, numel: int) -> None:
         self.src = self.torch.full((numel,), float(rank_value(self.rank) * self.world_size),
