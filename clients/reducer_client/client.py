@@ -39,7 +39,7 @@ from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
 from reducer_client.tls import TLSConfig, channel_credentials
 from reducer_client.transport.link import DaemonLink
-from reducer_client.transport.order import WINDOW_PER_DAEMON, SendOrder
+from reducer_client.transport.order import CREDITS_PER_LINK, WINDOW_PER_DAEMON, SendOrder
 
 __all__ = ["ReducerClient"]
 
@@ -331,7 +331,8 @@ class ReducerClient:
             return operation
         # The chunks leave in step across the links (transport/order.py).
         window = WINDOW_PER_DAEMON * len(self._links)
-        order = SendOrder(len(chunks), window) if len(chunks) > window else None
+        order = (SendOrder(len(chunks), window, credits=CREDITS_PER_LINK)
+                 if len(chunks) > window else None)
         if order is not None:
             operation.future.add_done_callback(lambda _: order.release())
         try:
@@ -353,9 +354,9 @@ class ReducerClient:
                 else:
                     begin = chunk.offset - base
                     convert.to_wire(values[begin:begin + chunk.numel], dtype, out=payload)
+                turn = order.turn(index, chunk.daemon) if order else None
                 link.send((key, round_, chunk.offset), message, operation.handler(index),
-                          operation.deadline_s, order.turn(index) if order else None,
-                          priority)
+                          operation.deadline_s, turn, priority)
         except Exception as exc:  # a bug or MemoryError too: fail it, drop what went out
             operation.fail(exc if isinstance(exc, ReducerError) else ReducerError(
                 grpc.StatusCode.INTERNAL, f"key {key!r} round {round_}: sending failed: {exc!r}"))

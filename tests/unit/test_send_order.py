@@ -1,5 +1,7 @@
 """SendOrder (transport/order.py): one operation's chunks handed over in step
-across the daemon links; never a deadlock, never a wait beyond max_wait_s.
+across the daemon links, at most `credits` of them unanswered on a link;
+never a deadlock, never a wait beyond max_wait_s (the window) or stall_s
+without progress (the credits).
 
 Every wait is bounded (a few seconds at most).
 """
@@ -16,7 +18,7 @@ from reducer_client.transport.fake import FakeDaemon
 from reducer_client.transport.link import DaemonLink
 from reducer_client.transport.order import SendOrder
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import ShardEncoder, decode_shard
+from reducer_wire.codec import ShardEncoder, ShardView, decode_shard
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -207,3 +209,103 @@ def test_a_sender_held_by_a_turn_lets_a_more_urgent_chunk_go_first():
     finally:
         for link in links:
             link.close()
+
+
+def test_a_link_holds_at_most_credits_chunks_unanswered():
+    order = SendOrder(8, window=8, max_wait_s=5.0, credits=2, stall_s=5.0)
+    assert order.take_credit(0, link=0) and order.take_credit(1, link=0)
+    assert order.take_credit(2, link=1)  # another link's credits are its own
+    start = time.monotonic()
+    assert not order.take_credit(3, link=0, timeout_s=0.05)  # two unanswered on link 0
+    assert 0.04 < time.monotonic() - start < 1.0 and not order.unpaced
+    order.answered(0, link=0)
+    assert order.take_credit(3, link=0, timeout_s=0.0)
+    assert order.take_credit(3, link=0, timeout_s=0.0)  # taken once: asking again is free
+    assert not order.take_credit(4, link=0, timeout_s=0.0)
+    order.answered(1, link=0)
+    order.answered(1, link=0)  # a repeated reply frees no second credit
+    assert order.take_credit(4, link=0, timeout_s=0.0)
+    assert not order.take_credit(5, link=0, timeout_s=0.0)
+
+
+def test_credits_give_up_after_a_stall_and_release_frees_them():
+    order = SendOrder(6, window=6, max_wait_s=5.0, credits=1, stall_s=0.1)
+    assert order.take_credit(0, link=0)
+    start = time.monotonic()
+    assert order.take_credit(1, link=0)  # nothing answered for stall_s: gives up
+    assert 0.08 < time.monotonic() - start < 1.0 and order.unpaced
+    assert order.take_credit(2, link=0, timeout_s=0.0)
+
+    order = SendOrder(6, window=6, max_wait_s=5.0, credits=1, stall_s=5.0)
+    assert order.take_credit(0, link=0)
+    results: queue.Queue = queue.Queue()
+    waiter = threading.Thread(target=lambda: results.put(order.take_credit(1, link=0)))
+    waiter.start()
+    time.sleep(0.05)
+    assert results.empty()
+    order.release()  # the operation settled
+    assert results.get(timeout=2) is True
+    waiter.join(timeout=2)
+
+
+def test_giving_up_the_window_keeps_the_credits():
+    order = SendOrder(4, window=1, max_wait_s=0.05, credits=1, stall_s=5.0)
+    assert order.turn(0, link=0).wait()
+    assert order.turn(1, link=1).wait()  # chunk 0 never handed: the window gives up
+    assert order.released and not order.unpaced
+    assert not order.turn(2, link=0).wait(0.05)  # chunk 0 still unanswered on link 0
+    order.answered(0, link=0)
+    assert order.turn(2, link=0).wait(0.0)
+
+
+class _AnsweringTransport(Transport):
+    """Takes every request at once, records its offset, and replies to an
+    offset when the test calls answer()."""
+
+    name = label = "answering"
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+        self._replies: queue.Queue = queue.Queue()
+
+    def open(self, requests, daemon):
+        def take():
+            for item in requests:
+                self.taken.append(decode_shard(bytes(item[HEADROOM:])).offset)
+
+        threading.Thread(target=take, daemon=True).start()
+        return iter(self._replies.get, None)
+
+    def answer(self, offset: int) -> None:
+        self._replies.put(ShardView(key="k", round=0, offset=offset,
+                                    data=memoryview(np.ones(4, np.float32).tobytes())))
+
+    def close(self) -> None:
+        self._replies.put(None)
+
+
+def _wait_taken(transport, count: int) -> list[int]:
+    deadline = time.monotonic() + 5
+    while len(transport.taken) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # and nothing more
+    return list(transport.taken)
+
+
+def test_a_link_sends_the_next_chunk_when_the_daemon_answers_one():
+    """One link, credits=2: chunks 0 and 1 go, 2 waits for an answer; each
+    answer lets one more go, in order."""
+    transport = _AnsweringTransport()
+    link = DaemonLink("a:1", control=FakeDaemon(), transports=[transport])
+    try:
+        order = SendOrder(5, window=1, max_wait_s=5.0, credits=2, stall_s=10.0)
+        for index in range(5):
+            _send(link, order, index)
+        assert _wait_taken(transport, 2) == [0, 1]
+        transport.answer(1)
+        assert _wait_taken(transport, 3) == [0, 1, 2]
+        transport.answer(0)
+        transport.answer(2)
+        assert _wait_taken(transport, 5) == [0, 1, 2, 3, 4] and not order.unpaced
+    finally:
+        link.close()

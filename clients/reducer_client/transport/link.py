@@ -68,6 +68,7 @@ class _Pending(NamedTuple):
     handler: ReplyHandler
     message: Message
     deadline_s: float  # time.monotonic() after which no retry is made for it
+    turn: Turn | None  # its first sending's: its reply frees the turn's credit
 
 
 class DaemonLink:
@@ -140,16 +141,16 @@ class DaemonLink:
         """Queue one encoded shard for the daemon; `handler` gets its reply, or
         the error it failed with (at the latest just after deadline_s). turn:
         its place in its operation's SendOrder (order.py), which its first
-        sending waits for; a resend does not. priority: the shard's, which
-        puts it before queued shards of a lower one (order.LinkQueue); a
-        resend goes at 0."""
+        sending waits for (and holds a credit of, until answered); a resend
+        does not wait. priority: the shard's, which puts it before queued
+        shards of a lower one (order.LinkQueue); a resend goes at 0."""
         with self._lock:
             if self._closed:
                 raise ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
             if self._outbox is None:
                 self._open_stream()
             assert self._outbox is not None
-            self._pending[key] = _Pending(handler, message, deadline_s)
+            self._pending[key] = _Pending(handler, message, deadline_s, turn)
             if turn is None and self._send_now(self._outbox, message):
                 return
             self._put(self._outbox, message, turn, priority)
@@ -298,6 +299,8 @@ class DaemonLink:
                                             entry.message, now)
         if entry is None:
             return  # a late reply to an operation that gave up, or a repeat
+        if entry.turn is not None:
+            entry.turn.answered()
         if reply.error_code:
             _call(entry.handler, None, ReducerError(status_code_from_value(reply.error_code),
                                                     f"daemon {self.address}: "

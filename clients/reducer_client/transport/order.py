@@ -13,7 +13,22 @@ i - window has been handed to its own, and the TCP data plane keeps little
 unsent in the socket (transport/tcp.py), so no flow runs more than about
 window / D chunks ahead of the others.
 
-It cannot deadlock: a chunk waits only for chunks of its operation queued
+That keeps one worker's flows in step; several workers' flows into one
+daemon are another matter. With N = 8 workers on D = 2 daemons each
+daemon's inbound link ran full, but TCP shared it unevenly among the 8
+flows: the daemon answered a chunk only when the slowest flow delivered it,
+its reply link idled at 50-90 % in the first half, and the answers drained
+about a second after the last input (the planner's worst misses). So each
+link also holds credits: at most `credits` chunks of an operation sent and
+not yet answered. A flow that runs ahead stops at its credits and leaves
+the daemon's link to the flows behind it. This cannot deadlock within an
+operation either: a worker that has not sent the lowest unanswered chunk
+holds no credit of its link. Across operations it could (a link held by
+one operation's credits, the chunks that would answer them queued behind
+another's elsewhere), so the credits give up on an operation once neither
+a credit was taken nor an answer came for stall_s.
+
+The window cannot deadlock: a chunk waits only for chunks of its operation queued
 before it, and each link sends its queue in order, so every wait points at
 something queued earlier. It cannot stall for long either: a wait lasts at
 most max_wait_s, after which the order gives up for that operation (a link
@@ -43,7 +58,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SendOrder", "Turn", "LinkQueue", "WINDOW_PER_DAEMON", "MAX_WAIT_S"]
+__all__ = ["SendOrder", "Turn", "LinkQueue", "WINDOW_PER_DAEMON", "MAX_WAIT_S",
+           "CREDITS_PER_LINK", "STALL_S"]
 
 # How many chunks of an operation each link may run ahead of the slowest
 # link: one (window = the number of links). On the emulated cluster (N = D =
@@ -52,22 +68,36 @@ __all__ = ["SendOrder", "Turn", "LinkQueue", "WINDOW_PER_DAEMON", "MAX_WAIT_S"]
 WINDOW_PER_DAEMON = 1
 # The longest a sender waits for its turn before the order gives up.
 MAX_WAIT_S = 0.05
+# How many chunks of an operation each link may have sent and not yet had
+# answered (see the module: several workers on one daemon), and how long
+# the credits wait without progress before they give up.
+CREDITS_PER_LINK = 4
+STALL_S = 0.5
 
 
 class SendOrder:
     """The handing-over order of one operation's `count` chunks; thread-safe."""
 
-    __slots__ = ("count", "window", "max_wait_s", "_handed", "_frontier", "_released",
-                 "_cond")
+    __slots__ = ("count", "window", "max_wait_s", "credits", "stall_s", "_handed",
+                 "_frontier", "_released", "_settled", "_unpaced", "_unanswered", "_credited",
+                 "_progress_s", "_cond")
 
-    def __init__(self, count: int, window: int, max_wait_s: float = MAX_WAIT_S) -> None:
-        if count < 0 or window < 1 or not max_wait_s > 0:
-            raise ValueError(f"SendOrder needs count >= 0, window >= 1 and max_wait_s > 0, "
-                             f"got {count}, {window}, {max_wait_s}")
+    def __init__(self, count: int, window: int, max_wait_s: float = MAX_WAIT_S,
+                 credits: int = 0, stall_s: float = STALL_S) -> None:
+        if count < 0 or window < 1 or not max_wait_s > 0 or credits < 0 or not stall_s > 0:
+            raise ValueError(f"SendOrder needs count >= 0, window >= 1, max_wait_s > 0, "
+                             f"credits >= 0 and stall_s > 0, got {count}, {window}, "
+                             f"{max_wait_s}, {credits}, {stall_s}")
         self.count, self.window, self.max_wait_s = count, window, max_wait_s
+        self.credits, self.stall_s = credits, stall_s  # credits 0: unanswered uncapped
         self._handed = bytearray(count)
         self._frontier = 0  # every chunk before it has been handed over
-        self._released = False
+        self._released = False  # the window no longer holds anyone back
+        self._settled = False  # nothing holds anyone back
+        self._unpaced = not credits  # the credits no longer hold anyone back
+        self._unanswered: dict[int, int] = {}  # link -> chunks sent and not answered
+        self._credited = bytearray(count)  # chunks that hold a credit of their link
+        self._progress_s = time.monotonic()  # when a chunk last took a credit or was answered
         self._cond = threading.Condition(threading.Lock())
 
     @property
@@ -80,13 +110,19 @@ class SendOrder:
         """Whether the order no longer holds anyone back."""
         return self._released
 
-    def turn(self, index: int) -> Turn:
+    @property
+    def unpaced(self) -> bool:
+        """Whether the credits no longer hold anyone back."""
+        return self._unpaced or self._settled
+
+    def turn(self, index: int, link: int = 0) -> Turn:
+        """Chunk `index`, sent on link `link` (credits are counted per link)."""
         if not 0 <= index < self.count:
             raise IndexError(f"chunk {index} of an operation of {self.count}")
-        return Turn(self, index)
+        return Turn(self, index, link)
 
     def _may_go(self, index: int) -> bool:
-        return index - self.window < self._frontier or self._released
+        return index - self.window < self._frontier or self._released or self._settled
 
     def wait(self, index: int, timeout_s: float | None = None,
              interrupted: Callable[[], bool] | None = None) -> bool:
@@ -107,6 +143,12 @@ class SendOrder:
                 self._cond.notify_all()
             return False
 
+    def give_up_window(self) -> None:
+        """Stop holding chunks to the window (a link is stuck); credits still count."""
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
     def poke(self) -> None:
         """Wake every waiter to check its `interrupted` (a more urgent chunk came)."""
         with self._cond:
@@ -124,26 +166,88 @@ class SendOrder:
                 self._cond.notify_all()
 
     def release(self) -> None:
-        """Nobody waits any more (the operation settled)."""
+        """Nobody waits any more, for the window or credits (the operation settled)."""
         with self._cond:
-            self._released = True
+            self._released = self._settled = True
             self._cond.notify_all()
+
+    def _has_credit(self, link: int) -> bool:
+        return self._unanswered.get(link, 0) < self.credits or self._unpaced or self._settled
+
+    def take_credit(self, index: int, link: int, timeout_s: float | None = None,
+                    interrupted: Callable[[], bool] | None = None) -> bool:
+        """Block until link `link` has fewer than `credits` chunks of this
+        operation unanswered, at most timeout_s, then count chunk `index` as
+        one of them; whether it may go. The credits give up (unpaced: True)
+        once neither a credit nor an answer came for stall_s, so a wait
+        across operations (see the module) costs stall_s at most.
+        interrupted: as in wait()."""
+        with self._cond:
+            if self._credited[index]:  # taken before the sender put it back
+                return True
+            deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+            while not self._has_credit(link):
+                if interrupted is not None and interrupted():
+                    return False
+                now_s = time.monotonic()
+                limit_s = self._progress_s + self.stall_s - now_s
+                if limit_s <= 0:
+                    self._unpaced = True
+                    self._cond.notify_all()
+                    break
+                if deadline_s is not None:
+                    if deadline_s <= now_s:
+                        return False
+                    limit_s = min(limit_s, deadline_s - now_s)
+                self._cond.wait(limit_s)
+            if not self._unpaced and not self._settled:
+                self._credited[index] = 1
+                self._unanswered[link] = self._unanswered.get(link, 0) + 1
+                self._progress_s = time.monotonic()
+            return True
+
+    def answered(self, index: int, link: int) -> None:
+        """The daemon answered chunk `index` (sent on `link`): its credit is free."""
+        with self._cond:
+            self._progress_s = time.monotonic()
+            if self._credited[index]:
+                self._credited[index] = 0
+                self._unanswered[link] -= 1
+                self._cond.notify_all()
 
 
 class Turn:
-    """Chunk `index` of a SendOrder: what a link's outbox carries beside the message."""
+    """Chunk `index` of a SendOrder, sent on link `link`: what a link's outbox
+    carries beside the message."""
 
-    __slots__ = ("order", "index", "waited_s")
+    __slots__ = ("order", "index", "link", "waited_s", "_in_window")
 
-    def __init__(self, order: SendOrder, index: int) -> None:
-        self.order, self.index = order, index
-        self.waited_s = 0.0  # over every wait() of this turn
+    def __init__(self, order: SendOrder, index: int, link: int = 0) -> None:
+        self.order, self.index, self.link = order, index, link
+        self.waited_s = 0.0  # over every wait() of this turn for the window
+        self._in_window = False
 
     def wait(self, slice_s: float | None = None,
              interrupted: Callable[[], bool] | None = None) -> bool:
         """Whether the chunk may go, having waited at most slice_s more (None:
-        until it may, or until `interrupted`, see SendOrder.wait). Past
-        max_wait_s in all, the order gives up: True."""
+        until it may, or until `interrupted`, see SendOrder.wait): first for
+        the window (past max_wait_s in all, the order gives up on it), then
+        for a credit of its link (SendOrder.take_credit)."""
+        if not self._in_window:
+            start_s = time.monotonic()
+            if not self._wait_window(slice_s, interrupted):
+                return False
+            self._in_window = True
+            if slice_s is not None:
+                slice_s = max(0.0, slice_s - (time.monotonic() - start_s))
+        return self.order.take_credit(self.index, self.link, slice_s, interrupted)
+
+    def answered(self) -> None:
+        """The daemon answered the chunk (link.py, on the reader thread)."""
+        self.order.answered(self.index, self.link)
+
+    def _wait_window(self, slice_s: float | None,
+                     interrupted: Callable[[], bool] | None) -> bool:
         order = self.order
         left_s = order.max_wait_s - self.waited_s
         start_s = time.monotonic()
@@ -153,7 +257,7 @@ class Turn:
         self.waited_s += time.monotonic() - start_s
         if self.waited_s < order.max_wait_s:
             return False
-        order.release()
+        order.give_up_window()
         return True
 
     def handed(self) -> None:
