@@ -28,8 +28,8 @@ one operation's credits, the chunks that would answer them queued behind
 another's elsewhere), so the credits give up on an operation once neither
 a credit was taken nor an answer came for stall_s.
 
-The window cannot deadlock: a chunk waits only for chunks of its operation queued
-before it, and each link sends its queue in order, so every wait points at
+The window cannot deadlock: a chunk waits only for chunks of its operation
+queued before it, and each link sends its queue in order, so every wait points at
 something queued earlier. It cannot stall for long either: a wait lasts at
 most max_wait_s, after which the order gives up for that operation (a link
 reconnecting resends without order), and release() (the operation settled)
@@ -41,8 +41,8 @@ among equals, so a bucket that the next forward needs first overtakes the
 chunks of earlier buckets still queued. The chunks of one operation share
 its priority and so keep their order. A sender waiting for a chunk's turn
 puts it back at the head of its priority when a more urgent chunk is queued
-(link.py), so an operation's order never holds back a more urgent one; the
-sender waits for nothing but local progress, so priorities cannot deadlock.
+(link.py), so an operation's order never holds back a more urgent one (a
+wait for credits is cut short the same way), so priorities cannot deadlock.
 The waiting sender does not poll for that: the put of a more urgent chunk
 pokes the order it waits on (2 ms polls woke each waiting sender 500 times a
 second, for nothing unless priorities are in use: 2-6 % of a worker's CPU on
