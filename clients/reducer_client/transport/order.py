@@ -138,10 +138,9 @@ class SendOrder:
             if self._cond.wait_for(lambda: self._may_go(index)
                                    or (interrupted is not None and interrupted()), limit_s):
                 return self._may_go(index)
-            if timeout_s is None:
-                self._released = True
-                self._cond.notify_all()
-            return False
+        if timeout_s is None:
+            self.give_up_window()
+        return False
 
     def give_up_window(self) -> None:
         """Stop holding chunks to the window (a link is stuck); credits still count."""
@@ -172,7 +171,7 @@ class SendOrder:
             self._cond.notify_all()
 
     def _has_credit(self, link: int) -> bool:
-        return self._unanswered.get(link, 0) < self.credits or self._unpaced or self._settled
+        return self._unanswered.get(link, 0) < self.credits or self.unpaced
 
     def take_credit(self, index: int, link: int, timeout_s: float | None = None,
                     interrupted: Callable[[], bool] | None = None) -> bool:
@@ -200,7 +199,7 @@ class SendOrder:
                         return False
                     limit_s = min(limit_s, deadline_s - now_s)
                 self._cond.wait(limit_s)
-            if not self._unpaced and not self._settled:
+            if not self.unpaced:
                 self._credited[index] = 1
                 self._unanswered[link] = self._unanswered.get(link, 0) + 1
                 self._progress_s = time.monotonic()
