@@ -24,7 +24,7 @@ reducerd (node-local aggregation first, so a node sends the model once):
     daemon link, each way:   N M / D
     daemon CPU per step:     N M w / (D c r) seconds on each daemon
     time = max(M / Rw, N M / (D Rd)) / e  max  N M w / (D c r)
-           + 2 C max(D / Rw, N / Rd)       (pipeline fill and drain)
+           + C max(D / Rw, N / Rd) + C (N - 1) / Rd   (pipeline fill and drain)
            + 2 a
     daemons to keep the workers' links full: the smallest D whose daemon
     link and CPU terms are at most the worker link's, D >= N Rw / min(Rd, c r / (e w))
@@ -32,13 +32,17 @@ reducerd (node-local aggregation first, so a node sends the model once):
     summing cores for that, in all: N Rw e w / r.
 
 Fill and drain: a daemon answers a chunk only once all N workers sent it,
-so nothing comes back before the first chunk is in, and the last result
-still has to go out after the last chunk is in. Each is one chunk passing
-the slower end of its path: a worker sends to all D daemons at once (a chunk
-takes D C / Rw on its link), a daemon takes from and answers all N workers
-at once (N C / Rd on its link). With D = N and equal links that is
-C (N + D) / rate, what `reducerd bench --emulate-cluster` measured
-(reducer_wire.layout).
+so nothing comes back before the first chunk is in: one chunk through the
+slower end of its path, C max(D / Rw, N / Rd) (a worker sends to all D
+daemons at once, a daemon takes from all N workers at once). At the other
+end the last chunk's N contributions come into one daemon link as N TCP
+flows, which share it by packets, not by chunks: the last of them lands up
+to (N - 1) C / Rd after the first, and its result still has to go out. On
+the emulated 200 Mbit cluster with credits per link (docs/scaling.md,
+"Validation") that is within 10 % of all 27 runs at N = 2, 4, 8 and D = 1,
+2, 4; twice the first term, the model until the twenty-first session,
+overstated the ends by up to a third where a daemon has only 2-8 chunks of
+a small key and few workers (1 MiB at N = 2 with D = 1 and D = 4).
 
 Ring (ranks placed node by node, so one ring edge in and one out per node):
 
@@ -168,6 +172,15 @@ class RingPlan:
         return asdict(self)
 
 
+def fill_and_drain_s(chunk: float, nodes: int, daemons: int, link_Bps: float,
+                     daemon_link_Bps: float) -> float:
+    """The pipeline's ends beyond the transfer: the first chunk through the
+    slower end of its path, then the last chunk's N flows into one daemon
+    link landing apart (see the module docstring)."""
+    return (chunk * max(daemons / link_Bps, nodes / daemon_link_Bps)
+            + chunk * (nodes - 1) / daemon_link_Bps)
+
+
 def link_efficiency(mtu: int) -> float:
     """The payload's share of a link's bytes at this MTU (TCP over Ethernet)."""
     return (mtu - TCP_IP_HEADER_BYTES) / (mtu + ETHERNET_FRAMING_BYTES)
@@ -252,7 +265,7 @@ def plan_reducerd(spec: ClusterSpec) -> ReducerdPlan:
              "daemon link": daemon_bytes / (spec.daemon_link_Bps * e),
              "daemon CPU": cpu_s / spec.daemon_cores}
     bottleneck = max(terms, key=lambda name: terms[name])
-    pipeline_s = 2 * chunk * max(d / spec.link_Bps, n / spec.daemon_link_Bps)
+    pipeline_s = fill_and_drain_s(chunk, n, d, spec.link_Bps, spec.daemon_link_Bps)
     latency_s = 2 * spec.latency_s
     return ReducerdPlan(
         daemons=d, daemons_needed=needed, chunk_bytes=chunk,

@@ -133,20 +133,26 @@ def test_cpu_bound_daemons_needed_count_each_chunks_fixed_cost(daemon_link, core
 
 def test_bottleneck_and_time_per_step_worked_example():
     """N = D = 4 at 200 Mbit/s (25e6 bytes/s), 16 MiB of float32 (8 MiB float16):
-    chunks of 8 MiB / 128 = 64 KiB; time = 8 MiB / (25e6 e) + 64 KiB (4 + 4) / 25e6."""
+    chunks of 8 MiB / 128 = 64 KiB; time = 8 MiB / (25e6 e) + 64 KiB (4 + 3) / 25e6:
+    the first chunk through a link that carries 4 at once, then the last
+    chunk's 4 flows into one daemon link landing 3 chunks apart."""
     s = ClusterSpec(params=4 << 20, wire_bytes_per_param=2, nodes=4, gpus_per_node=1,
                     link_Bps=25e6, daemon_link_Bps=25e6, daemon_rate_Bps_per_core=1.2e9,
                     daemons=4)
     plan = plan_reducerd(s)
     assert plan.chunk_bytes == 64 << 10
     assert plan.bottleneck == "worker link"
-    assert plan.pipeline_s == pytest.approx((64 << 10) * 8 / 25e6)
-    assert plan.time_s == pytest.approx((8 << 20) / (25e6 * E) + (64 << 10) * 8 / 25e6)
+    assert plan.pipeline_s == pytest.approx((64 << 10) * 7 / 25e6)
+    assert plan.time_s == pytest.approx((8 << 20) / (25e6 * E) + (64 << 10) * 7 / 25e6)
     two = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": 2}))
     assert two.bottleneck == "daemon link"  # each daemon link carries 2 models
     assert two.daemon_link_s == pytest.approx(2 * (8 << 20) / (25e6 * E))
-    # Chunks of 8 MiB / 64; fill and drain each pass the daemon's 4 workers: 2 x 4 C / 25e6.
-    assert two.pipeline_s == pytest.approx(2 * 4 * (128 << 10) / 25e6)
+    # Chunks of 8 MiB / 64; the fill passes the daemon's 4 workers, the drain 3: (4 + 3) C / 25e6.
+    assert two.pipeline_s == pytest.approx((4 + 3) * (128 << 10) / 25e6)
+    # More daemons than workers: the worker's link, which sends to all 8 at
+    # once, sets the fill; the drain is still the daemon's 4 flows.
+    eight = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemons": 8}))
+    assert eight.pipeline_s == pytest.approx((8 + 3) * eight.chunk_bytes / 25e6)
     assert two.time_s == pytest.approx(two.daemon_link_s + two.pipeline_s)
     slow = plan_reducerd(ClusterSpec(**{**s.__dict__, "daemon_rate_Bps_per_core": 10e6}))
     assert slow.bottleneck == "daemon CPU"
