@@ -101,7 +101,9 @@ def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
         **result, "rounds": rounds, "key_bytes": args.key_bytes,
         "chunk_bytes": args.chunk_bytes, "chunks_per_round": chunks,
         "daemon_cpu_s": cpu, "daemon_loop_thread_cpu_s": loop_cpu,
-        "daemon_other_threads_cpu_s": cpu - loop_cpu,
+        # Both are counted in 10 ms clock ticks, read a moment apart: a
+        # difference below zero is rounding, not CPU.
+        "daemon_other_threads_cpu_s": max(0.0, cpu - loop_cpu),
         "daemon_closing_cpu_ms_per_connection": closing_cpu / contributors * 1e3,
         "cpu_ms_per_contributor_round": cpu / (contributors * rounds) * 1e3,
         "input_GB_per_cpu_s": result["input_bytes"] / cpu / 1e9 if cpu else None,
