@@ -40,9 +40,10 @@ flows, which share it by packets, not by chunks: the last of them lands up
 to (N - 1) C / Rd after the first, and its result still has to go out. On
 the emulated 200 Mbit cluster with credits per link (docs/scaling.md,
 "Validation") that is within 10 % of all 27 runs at N = 2, 4, 8, D = 1,
-2, 4 and 1, 16, 64 MiB, on an Intel and an AMD machine; twice the first term, the model until the twenty-first session,
-overstated the ends by up to a third where a daemon has only 2-8 chunks of
-a small key and few workers (1 MiB at N = 2 with D = 1 and D = 4).
+2, 4 and 1, 16, 64 MiB, on an Intel and an AMD machine; twice the first
+term, the model until the twenty-first session, overstated the ends by up
+to a third where a daemon has only 2-8 chunks of a small key and few
+workers (1 MiB at N = 2 with D = 1 and D = 4).
 
 Ring (ranks placed node by node, so one ring edge in and one out per node):
 
