@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import queue
+import select
 import statistics
 import subprocess
 import sys
@@ -152,8 +153,11 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     rounds = max(2, round(args.input_bytes / (world * chunks * args.chunk_bytes)))
     posted: queue.SimpleQueue = queue.SimpleQueue()
     pool = summing_pool(threads) if threads > 1 else None
+    # As the daemon's loop does: finished sums wake this thread through the
+    # pool's eventfd, and the summing threads never take the GIL to say so.
+    readers: dict[int, Any] = {}
     if pool is not None:
-        pool.start(lambda fn, *a: posted.put((fn, a)))
+        pool.start(lambda fn, *a: posted.put((fn, a)), readers.__setitem__)
     table = ReductionTable(120.0, args.max_inflight_bytes, summing=pool)
     landed = [0]
     table.on_deliveries = lambda deliveries: landed.__setitem__(0, landed[0] + len(deliveries))
@@ -162,7 +166,15 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
 
     def run_posts(until: int) -> None:  # as the daemon's loop runs them
         while landed[0] < until:
-            fn, post_args = posted.get(timeout=60)
+            try:
+                fn, post_args = posted.get_nowait()
+            except queue.Empty:
+                ready, _, _ = select.select(list(readers), [], [], 60)
+                if not ready:
+                    raise TimeoutError("no summing task finished in 60 s") from None
+                for fd in ready:
+                    readers[fd]()
+                continue
             fn(*post_args)
 
     started_s, started_cpu_s, loop_started_s = (time.perf_counter(), time.process_time(),
