@@ -174,7 +174,12 @@ void *sp_worker_main(void *raw) {
         part->queued_bytes -= t.nbytes;
         p->queued_bytes -= t.nbytes;
         p->pending--;
-        if (p->waiters) pthread_cond_broadcast(&p->changed);
+        /* Wake the waiters only when one can go on: a submit waits for the
+         * queue to fall to half its bound, wait_idle for nothing pending.
+         * (Waking it for every finished task cost the loop a context switch
+         * per task while it waited.) */
+        if (p->waiters && (p->queued_bytes <= p->queued_bytes_at_most / 2 || p->pending == 0))
+            pthread_cond_broadcast(&p->changed);
         pthread_mutex_unlock(&p->lock);
     }
     PyEval_RestoreThread(ts);
