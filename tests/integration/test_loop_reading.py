@@ -132,11 +132,17 @@ def test_payloads_read_in_pieces_beyond_the_receive_slots_are_each_served_in_tur
     port = data_port(daemon.address)
     count, elements = BACKLOG_FRAMES + 4, WHOLE_MAX // 2 + 4096
     frames = [shard(f"slot{i}", np.full(elements, float(i % 50))) for i in range(count)]
-    socks = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
+    socks: list[socket.socket] = []
     try:
-        for sock, whole in zip(socks, frames, strict=True):
-            sock.sendall(HELLO_OK + whole[:600])  # the header and part of the payload
-        time.sleep(0.3)
+        # The slot holders first, then the waiters: connections reach the
+        # loop through handshake threads, in no fixed order, and a waiter
+        # finished before the holders would wait for them (by design).
+        for group in (frames[:BACKLOG_FRAMES], frames[BACKLOG_FRAMES:]):
+            for whole in group:
+                sock = socket.create_connection((host, port), timeout=10)
+                socks.append(sock)
+                sock.sendall(HELLO_OK + whole[:600])  # the header and part of the payload
+            time.sleep(0.5)
         for i, (sock, whole) in enumerate(zip(socks, frames, strict=True)):
             finish_and_check(sock, whole[600:], f"slot{i}", i % 50)
     finally:
