@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from many_contributors import _DATA_RE
+from many_contributors import _DATA_RE, other_threads_cpu_s
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.bench.loadgen import LoadSpec, run_load
@@ -125,7 +125,8 @@ def measure(threads: int, args: argparse.Namespace) -> dict[str, Any]:
         "key_bytes": args.key_bytes, "chunk_bytes": args.chunk_bytes,
         "input_bytes": result["input_bytes"], "wall_s": wall_s, "errors": result["errors"],
         "daemon_cpu_s": daemon_cpu, "daemon_loop_thread_cpu_s": loop_cpu,
-        "daemon_other_threads_cpu_s": daemon_cpu - loop_cpu, "loadgen_cpu_s": load_cpu,
+        "daemon_other_threads_cpu_s": other_threads_cpu_s(daemon_cpu, loop_cpu),
+        "loadgen_cpu_s": load_cpu,
         "machine_busy_cores": (end_busy - start["busy"]) / wall_s if wall_s else 0.0,
         "machine_cores": round(cores),
         "GB_per_wall_s": result["input_bytes"] / wall_s / 1e9,

@@ -56,6 +56,12 @@ class _PeakRss:
         self._thread.join()
 
 
+def other_threads_cpu_s(process_cpu_s: float, loop_cpu_s: float) -> float:
+    """The daemon's CPU outside its loop thread. Both figures are /proc's 10 ms
+    clock ticks, read a moment apart: a difference below zero is rounding."""
+    return max(0.0, process_cpu_s - loop_cpu_s)
+
+
 def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
     daemon = start_daemon("--round-timeout", "120", *args.daemon_args)
     try:
@@ -101,9 +107,7 @@ def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
         **result, "rounds": rounds, "key_bytes": args.key_bytes,
         "chunk_bytes": args.chunk_bytes, "chunks_per_round": chunks,
         "daemon_cpu_s": cpu, "daemon_loop_thread_cpu_s": loop_cpu,
-        # Both are counted in 10 ms clock ticks, read a moment apart: a
-        # difference below zero is rounding, not CPU.
-        "daemon_other_threads_cpu_s": max(0.0, cpu - loop_cpu),
+        "daemon_other_threads_cpu_s": other_threads_cpu_s(cpu, loop_cpu),
         "daemon_closing_cpu_ms_per_connection": closing_cpu / contributors * 1e3,
         "cpu_ms_per_contributor_round": cpu / (contributors * rounds) * 1e3,
         "input_GB_per_cpu_s": result["input_bytes"] / cpu / 1e9 if cpu else None,

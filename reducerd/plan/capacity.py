@@ -67,7 +67,7 @@ from reducer_wire.layout import (
 
 __all__ = ["ClusterSpec", "ReducerdPlan", "RingPlan", "plan_reducerd", "plan_ring",
            "daemons_needed", "cores_to_fill_link", "default_chunk_bytes", "layout_chunk_bytes",
-           "chunk_of", "chunk_work", "daemons_for",
+           "chunk_of", "chunk_work", "daemons_for", "fill_and_drain_s",
            "link_efficiency",
            "efficiency",
            "MIN_CHUNK_BYTES"]
