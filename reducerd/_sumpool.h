@@ -62,7 +62,10 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int threads, started, closed, stop, ready, signaled;
+    int coalesce_at_most;        /* tasks summed in one pass at most (1: each alone) */
     Py_ssize_t live, queued_bytes, queued_bytes_at_most, pending;
+    Py_ssize_t summed;           /* copies and adds run so far */
+    Py_ssize_t coalesced;        /* of those, the ones that ran in a pass with others */
     int waiters;
     pthread_mutex_t lock;        /* guards everything here and in the partitions */
     pthread_cond_t changed;      /* room, idle, a worker exiting */
@@ -82,6 +85,14 @@ typedef struct { Pool *pool; int index; } worker_arg;
 /* Spares larger than this are freed instead (they are not counted in the
  * daemon's memory budget: at most one per summing thread). */
 #define SPARE_NUMEL_AT_MOST (1 << 20)  /* 4 MiB of float32: a 1 MiB chunk of any wire */
+
+/* A summing thread takes the adds queued for its chunk with it (up to the
+ * pool's coalesce_at_most) and runs them in one pass, block by block, so the
+ * accumulator's block stays in L1 for all of them: _sumpool_threads.c. */
+#define COALESCE_DEFAULT 16
+#define COALESCE_LIMIT 64       /* the most a Pool accepts (a thread's stack array) */
+#define COALESCE_SCAN 64        /* queued tasks looked through for them, at most */
+#define COALESCE_BLOCK 4096     /* elements: 16 KiB of accumulator */
 
 /* _sumpool_threads.c */
 extern const rw_codec sp_float32_codec;

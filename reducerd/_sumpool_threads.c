@@ -1,6 +1,8 @@
 /* The summing threads (see _sumpool.c): each takes its partition's tasks in
  * order, runs a sum without the GIL (a Python call with it), and hands the
  * finished sum to the done list, waking the loop when that list was empty.
+ * A copy or add takes the adds to its chunk already queued with it, and runs
+ * them in one pass (take_adds, run_adds).
  * A chunk's accumulator is touched only here while it has tasks queued: its
  * first task may swap in the partition's spare, its finish (or a mark) hands
  * its memory back as the spare. */
@@ -48,7 +50,41 @@ static void give_back(partition_t *part, Acc *a) {
     a->buf = NULL;
 }
 
-static void run_sum(Pool *p, partition_t *part, task_t *t) {
+/* Wire bytes per element where a message's elements stand alone (a slice of
+ * it is the slice's message); 0 for int8, whose block scales come first. */
+static Py_ssize_t element_bytes(int codec) {
+    switch (codec) {
+    case CODEC_FLOAT32: return 4;
+    case CODEC_FLOAT16: case CODEC_BFLOAT16: return 2;
+    case CODEC_FP8: return 1;
+    default: return 0;
+    }
+}
+
+/* A chunk's copy and adds, t[0..k) in order (k > 1 only for element-wise
+ * codecs): block by block, every task over the block before the next block,
+ * so each element sees the same operations in the same order as task by
+ * task (the same bits), and the accumulator's block is read and written
+ * once per pass instead of once per task. */
+static void run_adds(const rw_codec *c, float *acc, Py_ssize_t numel, const task_t *t, int k) {
+    if (k == 1) {
+        if (t->kind == TASK_COPY) c->widen((const char *)t->wire.buf, acc, numel, t->param);
+        else c->add(acc, (const char *)t->wire.buf, numel, t->param);
+        return;
+    }
+    Py_ssize_t width = element_bytes(t->codec);
+    for (Py_ssize_t at = 0; at < numel; at += COALESCE_BLOCK) {
+        Py_ssize_t n = numel - at < COALESCE_BLOCK ? numel - at : COALESCE_BLOCK;
+        for (int i = 0; i < k; i++) {
+            const char *src = (const char *)t[i].wire.buf + at * width;
+            if (t[i].kind == TASK_COPY) c->widen(src, acc + at, n, t[i].param);
+            else c->add(acc + at, src, n, t[i].param);
+        }
+    }
+}
+
+/* Run t[0..k): one task, or a chunk's copy or add with the adds after it. */
+static void run_sums(Pool *p, partition_t *part, task_t *t, int k) {
     const rw_codec *c = &p->codecs[t->codec];
     Acc *a = t->acc;
     if (a == NULL || a->buf == NULL) return;  /* a mark alone; or given back (never queued so) */
@@ -63,8 +99,7 @@ static void run_sum(Pool *p, partition_t *part, task_t *t) {
     }
     float *acc = a->buf;
     switch (t->kind) {
-    case TASK_COPY: c->widen((const char *)t->wire.buf, acc, a->numel, t->param); break;
-    case TASK_ADD: c->add(acc, (const char *)t->wire.buf, a->numel, t->param); break;
+    case TASK_COPY: case TASK_ADD: run_adds(c, acc, a->numel, t, k); break;
     case TASK_FINISH:
         if (t->divisor > 0) {
             float d = t->divisor;
@@ -103,8 +138,42 @@ static void wake_loop(Pool *p, PyThreadState **ts) {
     *ts = PyEval_SaveThread();
 }
 
-/* Take the partition's next task into *out; 0 once stopped and empty. */
-static int next_task(Pool *p, partition_t *part, task_t *out) {
+/* Take the partition's item at ring offset i out of its queue (with the lock). */
+static task_t take_at(partition_t *part, size_t i) {
+    task_t t = part->items[(part->head + i) % part->cap];
+    for (size_t j = i; j > 0; j--)  /* the ones before it move up one */
+        part->items[(part->head + j) % part->cap] = part->items[(part->head + j - 1) % part->cap];
+    part->head = (part->head + 1) % part->cap;
+    __atomic_store_n(&part->count, part->count - 1, __ATOMIC_RELEASE);
+    return t;
+}
+
+/* With out[0] a copy or add just taken: take the adds to the same chunk
+ * queued behind it into out[1..), up to `at_most` tasks in all. Tasks of
+ * other chunks may be passed (they touch other memory); the look stops at
+ * the chunk's first other task (its finish or a mark) and at a Python task,
+ * which may read anything. Returns the count in out. */
+static int take_adds(partition_t *part, task_t *out, int at_most) {
+    int k = 1;
+    if (element_bytes(out[0].codec) == 0) return k;
+    size_t i = 0;
+    while (k < at_most && i < part->count && i < COALESCE_SCAN) {
+        task_t *next = &part->items[(part->head + i) % part->cap];
+        if (next->kind == TASK_CALL) break;
+        if (next->acc != out[0].acc) {
+            i++;
+            continue;
+        }
+        if (next->kind != TASK_ADD || next->codec != out[0].codec || next->param != out[0].param)
+            break;
+        out[k++] = take_at(part, i);
+    }
+    return k;
+}
+
+/* Take the partition's next task, and the adds that go with it, into out;
+ * their count, or 0 once stopped and empty. */
+static int next_tasks(Pool *p, partition_t *part, task_t *out) {
     pthread_mutex_lock(&p->lock);
     while (part->count == 0 && !p->stop) {
         part->sleeping = 1;
@@ -115,11 +184,14 @@ static int next_task(Pool *p, partition_t *part, task_t *out) {
         pthread_mutex_unlock(&p->lock);
         return 0;
     }
-    *out = part->items[part->head];
-    part->head = (part->head + 1) % part->cap;
-    __atomic_store_n(&part->count, part->count - 1, __ATOMIC_RELEASE);
+    out[0] = take_at(part, 0);
+    int k = 1;
+    if ((out[0].kind == TASK_COPY || out[0].kind == TASK_ADD) && out[0].acc != NULL)
+        k = take_adds(part, out, p->coalesce_at_most);
+    if (out[0].kind == TASK_COPY || out[0].kind == TASK_ADD) p->summed += k;
+    if (k > 1) p->coalesced += k;
     pthread_mutex_unlock(&p->lock);
-    return 1;
+    return k;
 }
 
 static int grow_done(Pool *p) {  /* with the lock */
@@ -148,32 +220,36 @@ void *sp_worker_main(void *raw) {
     p->ready++;  /* start() returns once every thread has its state: none needs the GIL later */
     pthread_cond_broadcast(&p->changed);
     pthread_mutex_unlock(&p->lock);
-    task_t t;
-    while (next_task(p, part, &t)) {
+    task_t tasks[COALESCE_LIMIT];
+    int k;
+    while ((k = next_tasks(p, part, tasks)) > 0) {
         int wake = 0;
-        if (t.kind == TASK_CALL) {
+        if (tasks[0].kind == TASK_CALL) {
             PyEval_RestoreThread(ts);
-            run_call(&t);
+            run_call(&tasks[0]);
             ts = PyEval_SaveThread();
         } else {
-            run_sum(p, part, &t);
+            run_sums(p, part, tasks, k);
         }
+        Py_ssize_t nbytes = 0;
         pthread_mutex_lock(&p->lock);
-        if (t.kind != TASK_CALL) {
+        for (int i = 0; i < k; i++) {
+            nbytes += tasks[i].nbytes;
+            if (tasks[i].kind == TASK_CALL) continue;
             while (grow_done(p) < 0) {  /* out of memory: wait for the loop to take some */
                 pthread_mutex_unlock(&p->lock);
                 usleep(1000);
                 pthread_mutex_lock(&p->lock);
             }
-            p->done[p->done_count++] = t;
+            p->done[p->done_count++] = tasks[i];
             if (!p->signaled) p->signaled = wake = 1;
         }
         pthread_mutex_unlock(&p->lock);
-        if (wake) wake_loop(p, &ts);  /* before the task counts as finished (wait_idle) */
+        if (wake) wake_loop(p, &ts);  /* before the tasks count as finished (wait_idle) */
         pthread_mutex_lock(&p->lock);
-        part->queued_bytes -= t.nbytes;
-        p->queued_bytes -= t.nbytes;
-        p->pending--;
+        part->queued_bytes -= nbytes;
+        p->queued_bytes -= nbytes;
+        p->pending -= k;
         /* Wake the waiters only when one can go on: a submit waits for the
          * queue to fall to half its bound, wait_idle for nothing pending.
          * (Waking it for every finished task cost the loop a context switch

@@ -63,29 +63,35 @@ Post = Callable[..., Any]
 AddReader = Callable[[int, Callable[[], None]], Any]
 
 
-def summing_pool(threads: int, min_chunk_bytes: int = 0,
-                 budget_bytes: int | None = None) -> SummingPool | CSummingPool:
+def summing_pool(threads: int, min_chunk_bytes: int = 0, budget_bytes: int | None = None,
+                 coalesce_at_most: int | None = None) -> SummingPool | CSummingPool:
     """The daemon's pool: on C threads where the extension was built; what it
-    queues at most is capped by its share of the memory budget, if given."""
+    queues at most is capped by its share of the memory budget, if given.
+    `coalesce_at_most`: the C pool's (CSummingPool); None, its default."""
     at_most = threads * QUEUED_BYTES_PER_THREAD
     if budget_bytes is not None:
         at_most = min(at_most, budget_bytes // QUEUED_SHARE_OF_BUDGET)
-    kind = CSummingPool if _sumpool is not None else SummingPool
-    return kind(threads, queued_bytes_at_most=at_most, min_chunk_bytes=min_chunk_bytes)
+    if _sumpool is None:
+        return SummingPool(threads, queued_bytes_at_most=at_most, min_chunk_bytes=min_chunk_bytes)
+    return CSummingPool(threads, queued_bytes_at_most=at_most, min_chunk_bytes=min_chunk_bytes,
+                        coalesce_at_most=coalesce_at_most)
 
 
 class CSummingPool:
     """N summing threads in C, one FIFO each; sums in C, other tasks as task(scratch, *args)."""
 
     def __init__(self, threads: int, queued_bytes_at_most: int | None = None,
-                 min_chunk_bytes: int = 0) -> None:
+                 min_chunk_bytes: int = 0, coalesce_at_most: int | None = None) -> None:
+        """`coalesce_at_most`: a chunk's queued copy and adds that a thread sums
+        in one pass, at most (1: each alone; None: the extension's default)."""
         if _sumpool is None:
             raise RuntimeError("reducerd._sumpool was not built (no C compiler at install)")
         self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         self.min_chunk_bytes = min_chunk_bytes
         self.busy = True  # as SummingPool's
-        self._c = _sumpool.Pool(threads, self.queued_bytes_at_most)
+        extra = {} if coalesce_at_most is None else {"coalesce_at_most": coalesce_at_most}
+        self._c = _sumpool.Pool(threads, self.queued_bytes_at_most, **extra)
         # Python tasks get their partition's scratch: a partition runs on one thread.
         self._scratch = [WideningBuffer() for _ in range(threads)]
         self._next = 0
@@ -187,6 +193,17 @@ class CSummingPool:
         return int(self._c.pending)
 
     @property
+    def coalesced(self) -> int:
+        """Copies and adds summed so far in a pass with others of their chunk
+        (each found queued behind the first: the threads were behind)."""
+        return self._c.sums()[1]
+
+    @property
+    def summed(self) -> int:
+        """Copies and adds run so far."""
+        return self._c.sums()[0]
+
+    @property
     def queued_bytes(self) -> int:
         return int(self._c.queued_bytes)
 
@@ -198,6 +215,10 @@ class CSummingPool:
         """Refuse new tasks, run every queued one, stop the threads; False if
         some thread was still busy after `timeout_s`."""
         stopped = bool(self._c.close(float(timeout_s)))
+        summed, coalesced = self._c.sums()
+        if summed:
+            log.info("summing threads: %d of %d copies and adds summed in passes with "
+                     "others of their chunk (queued behind it)", coalesced, summed)
         if not stopped:
             log.error("summing threads still busy %g s after the pool closed", timeout_s)
         return stopped

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import select
 import statistics
 import subprocess
@@ -53,6 +54,7 @@ from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing_c import summing_pool
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+_SHARED_RE = re.compile(r"summing threads: (\d+) of (\d+) copies and adds summed in passes")
 
 
 def machine_busy_s() -> tuple[float, float]:
@@ -118,6 +120,7 @@ def measure(threads: int, args: argparse.Namespace) -> dict[str, Any]:
         load_cpu = reaped_children_cpu_s() - start["reaped"] - start["load"]
     finally:
         daemon.stop()
+    shared = _SHARED_RE.search(daemon.log())  # the pool's line at its close (threads > 1)
     wall_s = result["wall_s"]
     cores = (end_all - start["all"]) / wall_s if wall_s else 0.0
     return {
@@ -132,6 +135,8 @@ def measure(threads: int, args: argparse.Namespace) -> dict[str, Any]:
         "GB_per_wall_s": result["input_bytes"] / wall_s / 1e9,
         "GB_per_daemon_cpu_s": result["input_bytes"] / daemon_cpu / 1e9 if daemon_cpu else 0.0,
         "chunk_latency_p50_s": result["chunk_latency_s"].get("p50", 0.0),
+        "sums": int(shared.group(2)) if shared else 0,
+        "sums_coalesced": int(shared.group(1)) if shared else 0,
     }
 
 
@@ -139,7 +144,7 @@ def measure_table(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     """One --mode table run in a fresh process (the pool sets the GIL's switch
     interval for the whole process: runs must not inherit it)."""
     options = {k: getattr(args, k) for k in ("contributors", "chunk_bytes", "key_bytes",
-                                             "input_bytes", "max_inflight_bytes")}
+                                             "input_bytes", "max_inflight_bytes", "coalesce")}
     done = subprocess.run([sys.executable, __file__, "--one-table", str(threads),
                            json.dumps(options)], capture_output=True, text=True, timeout=600,
                           check=True)
@@ -153,7 +158,7 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     chunks = max(1, args.key_bytes // args.chunk_bytes)
     rounds = max(2, round(args.input_bytes / (world * chunks * args.chunk_bytes)))
     posted: queue.SimpleQueue = queue.SimpleQueue()
-    pool = summing_pool(threads) if threads > 1 else None
+    pool = summing_pool(threads, coalesce_at_most=args.coalesce) if threads > 1 else None
     # As the daemon's loop does: finished sums wake this thread through the
     # pool's eventfd, and the summing threads never take the GIL to say so.
     readers: dict[int, Any] = {}
@@ -191,8 +196,10 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     wall_s = time.perf_counter() - started_s
     cpu = time.process_time() - started_cpu_s
     loop = time.thread_time() - loop_started_s
+    summed = coalesced = 0
     if pool is not None:
         pool.close()
+        summed, coalesced = pool.summed, pool.coalesced
     input_bytes = rounds * chunks * world * args.chunk_bytes
     return {"threads": threads, "contributors": world, "rounds": rounds,
             "key_bytes": chunks * args.chunk_bytes, "chunk_bytes": args.chunk_bytes,
@@ -201,7 +208,8 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
             "daemon_other_threads_cpu_s": cpu - loop, "loadgen_cpu_s": 0.0,
             "machine_busy_cores": 0.0, "machine_cores": os.cpu_count() or 0,
             "GB_per_wall_s": input_bytes / wall_s / 1e9,
-            "GB_per_daemon_cpu_s": input_bytes / cpu / 1e9, "chunk_latency_p50_s": 0.0}
+            "GB_per_daemon_cpu_s": input_bytes / cpu / 1e9, "chunk_latency_p50_s": 0.0,
+            "coalesce_at_most": args.coalesce, "sums": summed, "sums_coalesced": coalesced}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -254,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-bytes", type=int, default=1 << 30,
                         help="daemon input per run, about (default 1 GiB)")
     parser.add_argument("--max-inflight-bytes", type=int, default=4 << 30)
+    parser.add_argument("--coalesce", type=int, default=None,
+                        help="table mode: a chunk's queued adds a summing thread takes in one "
+                             "pass, at most (1: each alone; default: the pool's)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.threads.split(",")]
@@ -262,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             rows.append((measure if args.mode == "daemon" else measure_table)(n, args))
             r = rows[-1]
+            shared = (f", {r['sums_coalesced']} of {r['sums']} sums in shared passes"
+                      if r.get("sums") else "")
             print(f"run {repeat + 1}, --threads {n}: {r['GB_per_wall_s']:.3f} GB/wall-s, "
-                  f"{r['GB_per_daemon_cpu_s']:.3f} GB/daemon-CPU-s, {len(r['errors'])} errors",
-                  file=sys.stderr, flush=True)
+                  f"{r['GB_per_daemon_cpu_s']:.3f} GB/daemon-CPU-s, {len(r['errors'])} errors"
+                  f"{shared}", file=sys.stderr, flush=True)
     sys.stdout.write(table(rows))
     text, ratios = summary(rows, counts)
     sys.stdout.write(text)
