@@ -50,33 +50,51 @@ static void give_back(partition_t *part, Acc *a) {
     a->buf = NULL;
 }
 
-/* Wire bytes per element where a message's elements stand alone (a slice of
- * it is the slice's message); 0 for int8, whose block scales come first. */
-static Py_ssize_t element_bytes(int codec) {
-    switch (codec) {
-    case CODEC_FLOAT32: return 4;
-    case CODEC_FLOAT16: case CODEC_BFLOAT16: return 2;
-    case CODEC_FP8: return 1;
-    default: return 0;
-    }
+#define INT8_SCALE_BYTES 4  /* a float32 per block, all of a message's first */
+
+/* Whether a message of this codec can be cut into COALESCE_BLOCK pieces, each
+ * a message of its own elements: every element-wise codec, and int8 whose
+ * blocks divide it (a piece's scales and codes are gathered: piece_of). */
+static int cuttable(int codec, Py_ssize_t param) {
+    if (codec != CODEC_INT8) return 1;
+    return param > 0 && COALESCE_BLOCK % param == 0;
 }
 
-/* A chunk's copy and adds, t[0..k) in order (k > 1 only for element-wise
- * codecs): block by block, every task over the block before the next block,
- * so each element sees the same operations in the same order as task by
- * task (the same bits), and the accumulator's block is read and written
- * once per pass instead of once per task. */
+/* Elements [at, at + n) of t's message, as the message of those elements: a
+ * pointer into it, or for int8 (all its scales, then all its codes) the
+ * piece's scales and codes copied into `scratch`. */
+static const char *piece_of(const task_t *t, Py_ssize_t numel, Py_ssize_t at, Py_ssize_t n,
+                            char *scratch) {
+    const char *src = (const char *)t->wire.buf;
+    switch (t->codec) {
+    case CODEC_FLOAT32: return src + 4 * at;
+    case CODEC_FLOAT16: case CODEC_BFLOAT16: return src + 2 * at;
+    case CODEC_FP8: return src + at;
+    default: break;
+    }
+    Py_ssize_t block = t->param, blocks = (numel + block - 1) / block;
+    Py_ssize_t first = at / block, count = (n + block - 1) / block;
+    memcpy(scratch, src + INT8_SCALE_BYTES * first, (size_t)(INT8_SCALE_BYTES * count));
+    memcpy(scratch + INT8_SCALE_BYTES * count, src + INT8_SCALE_BYTES * blocks + at, (size_t)n);
+    return scratch;
+}
+
+/* A chunk's copy and adds, t[0..k) in order (k > 1 only where cuttable):
+ * block by block, every task over the block before the next block, so each
+ * element sees the same operations in the same order as task by task (the
+ * same bits), and the accumulator's block is read and written once per pass
+ * instead of once per task. */
 static void run_adds(const rw_codec *c, float *acc, Py_ssize_t numel, const task_t *t, int k) {
     if (k == 1) {
         if (t->kind == TASK_COPY) c->widen((const char *)t->wire.buf, acc, numel, t->param);
         else c->add(acc, (const char *)t->wire.buf, numel, t->param);
         return;
     }
-    Py_ssize_t width = element_bytes(t->codec);
+    char scratch[COALESCE_BLOCK * (INT8_SCALE_BYTES + 1)];  /* an int8 piece at most */
     for (Py_ssize_t at = 0; at < numel; at += COALESCE_BLOCK) {
         Py_ssize_t n = numel - at < COALESCE_BLOCK ? numel - at : COALESCE_BLOCK;
         for (int i = 0; i < k; i++) {
-            const char *src = (const char *)t[i].wire.buf + at * width;
+            const char *src = piece_of(&t[i], numel, at, n, scratch);
             if (t[i].kind == TASK_COPY) c->widen(src, acc + at, n, t[i].param);
             else c->add(acc + at, src, n, t[i].param);
         }
@@ -155,7 +173,7 @@ static task_t take_at(partition_t *part, size_t i) {
  * which may read anything. Returns the count in out. */
 static int take_adds(partition_t *part, task_t *out, int at_most) {
     int k = 1;
-    if (element_bytes(out[0].codec) == 0) return k;
+    if (!cuttable(out[0].codec, out[0].param)) return k;
     size_t i = 0;
     while (k < at_most && i < part->count && i < COALESCE_SCAN) {
         task_t *next = &part->items[(part->head + i) % part->cap];

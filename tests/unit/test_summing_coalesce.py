@@ -6,8 +6,9 @@ chunks' tasks interleaved; then each chunk's copy and adds must run as one
 pass (the pool counts them), give the bits of the same tasks run one by one
 (float32, in rank order, checked against NumPy), and run in their chunk's
 order: never past the chunk's finish, nor past a Python task, which may read
-the accumulator. int8's messages (block scales first) are summed task by
-task.
+the accumulator. An int8 message (all its block scales, then its codes)
+is cut where its blocks divide the pass's 4,096 elements, else summed task
+by task.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 
 import numpy as np
 import pytest
-from reducer_wire import convert
+from reducer_wire import convert, quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd.summing_c import ADD, COPY, CSummingPool, _sumpool
@@ -25,9 +26,10 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(_sumpool is None, reason="reducerd._sumpool not built")]
 
 WAIT_S = 10.0
-ELEMENTWISE = [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FP8_E4M3,
-               pb.DTYPE_FP8_E5M2]
-NUMEL = 3 * 4096 + 123  # three whole blocks of the pass and a partial one
+DTYPES = [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_INT8_BLOCK128,
+          pb.DTYPE_FP8_E4M3, pb.DTYPE_FP8_E5M2]
+NUMEL = 3 * 4096 + 123  # three whole pieces of a pass and a partial one (a partial int8 block)
+INT8_CODEC = 3  # the C pool's number for int8 (reducerd.summing_c._CODECS)
 
 
 class HeldPool:
@@ -93,7 +95,7 @@ def queue_two_chunks(pool: CSummingPool, dtype: int, chunks: dict[str, list[byte
     return payloads
 
 
-@pytest.mark.parametrize("dtype", ELEMENTWISE, ids=lambda d: pb.DType.Name(d))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: pb.DType.Name(d))
 def test_a_chunks_queued_adds_run_in_one_pass_with_the_bits_of_one_by_one(dtype):
     world = 5
     chunks = {"a": contributions(dtype, world, 1), "b": contributions(dtype, world, 2)}
@@ -134,15 +136,30 @@ def test_a_pass_takes_at_most_coalesce_at_most_tasks():
         CSummingPool(1, coalesce_at_most=0)
 
 
-def test_int8_messages_are_summed_task_by_task():
-    dtype, world = pb.DTYPE_INT8_BLOCK128, 4
-    wires = contributions(dtype, world, 4)
+@pytest.mark.parametrize("block, cut", [(128, True), (256, True), (96, False)])
+def test_an_int8_message_is_cut_only_where_its_blocks_divide_the_pass(block, cut):
+    world = 4
+    rng = np.random.default_rng(block)
+    values = [rng.standard_normal(NUMEL).astype(np.float32) * 10 for _ in range(world)]
+    wires = []
+    for v in values:
+        wire = bytearray(quant.int8_nbytes(NUMEL, block))
+        quant.encode_int8(v, wire, block)
+        wires.append(bytes(wire))
+    expected, widened = np.empty(NUMEL, np.float32), np.empty(NUMEL, np.float32)
+    quant.decode_int8(wires[0], expected, block)
+    for wire in wires[1:]:
+        quant.decode_int8(wire, widened, block)
+        expected += widened
     held = HeldPool()
     try:
-        payloads = queue_two_chunks(held.pool, dtype, {"a": wires}, [])
+        acc = held.pool.new_accumulator(NUMEL)
+        for rank, wire in enumerate(wires):  # the raw pool: any block size
+            held.pool._c.submit_sum(0, COPY if rank == 0 else ADD, acc, wire, INT8_CODEC,
+                                    block, len(wire), (len, ()))
         held.release_and_run()
-        assert (held.pool.summed, held.pool.coalesced) == (world, 0)
-        assert bytes(payloads["a"]) == sequential_sum(dtype, wires)
+        assert np.array_equal(np.frombuffer(acc, np.float32), expected)
+        assert (held.pool.summed, held.pool.coalesced) == (world, world if cut else 0)
     finally:
         held.close()
 
