@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 from many_contributors import _DATA_RE, other_threads_cpu_s
+from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.dtypes import WIRE_DTYPES, wire_nbytes, wire_numpy_dtype
 
 from reducerd.bench.loadgen import LoadSpec, run_load
 from reducerd.bench.procs import cpu_seconds as cpu_s
@@ -144,7 +146,8 @@ def measure_table(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     """One --mode table run in a fresh process (the pool sets the GIL's switch
     interval for the whole process: runs must not inherit it)."""
     options = {k: getattr(args, k) for k in ("contributors", "chunk_bytes", "key_bytes",
-                                             "input_bytes", "max_inflight_bytes", "coalesce")}
+                                             "input_bytes", "max_inflight_bytes", "coalesce",
+                                             "wire_dtype")}
     done = subprocess.run([sys.executable, __file__, "--one-table", str(threads),
                            json.dumps(options)], capture_output=True, text=True, timeout=600,
                           check=True)
@@ -154,9 +157,12 @@ def measure_table(threads: int, args: argparse.Namespace) -> dict[str, Any]:
 def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     """The summing path alone: prepared contributions into a ReductionTable."""
     tune_malloc()  # the daemon's allocator settings, as it sets them before its threads start
-    world, numel = args.contributors, args.chunk_bytes // 2
+    dtype = WIRE_DTYPES[args.wire_dtype]
+    # Elements per chunk: chunk_bytes of the wire (an 8-bit wire's scales on top).
+    world, numel = args.contributors, args.chunk_bytes // wire_numpy_dtype(dtype).itemsize
+    wire_bytes = wire_nbytes(dtype, numel)
     chunks = max(1, args.key_bytes // args.chunk_bytes)
-    rounds = max(2, round(args.input_bytes / (world * chunks * args.chunk_bytes)))
+    rounds = max(2, round(args.input_bytes / (world * chunks * wire_bytes)))
     posted: queue.SimpleQueue = queue.SimpleQueue()
     pool = summing_pool(threads, coalesce_at_most=args.coalesce) if threads > 1 else None
     # As the daemon's loop does: finished sums wake this thread through the
@@ -167,8 +173,8 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     table = ReductionTable(120.0, args.max_inflight_bytes, summing=pool)
     landed = [0]
     table.on_deliveries = lambda deliveries: landed.__setitem__(0, landed[0] + len(deliveries))
-    data = [np.random.default_rng(rank).standard_normal(numel).astype(np.float16).tobytes()
-            for rank in range(world)]
+    data = [convert.to_wire(np.random.default_rng(rank).standard_normal(numel).astype(np.float32),
+                            dtype).tobytes() for rank in range(world)]
 
     def run_posts(until: int) -> None:  # as the daemon's loop runs them
         while landed[0] < until:
@@ -189,7 +195,7 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
         for chunk in range(chunks):
             cid = ChunkId("bench", "grad", round_, chunk * numel)
             for rank in range(world):
-                part = Contribution(rank, world, pb.DTYPE_FLOAT16, pb.REDUCE_OP_SUM, data[rank])
+                part = Contribution(rank, world, dtype, pb.REDUCE_OP_SUM, data[rank])
                 landed[0] += len(table.contribute(cid, part, rank))
         run_posts((round_ - 1) * chunks)  # at most two rounds open, as a pipeline would
     run_posts(rounds * chunks)
@@ -200,7 +206,7 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     if pool is not None:
         pool.close()
         summed, coalesced = pool.summed, pool.coalesced
-    input_bytes = rounds * chunks * world * args.chunk_bytes
+    input_bytes = rounds * chunks * world * wire_bytes
     return {"threads": threads, "contributors": world, "rounds": rounds,
             "key_bytes": chunks * args.chunk_bytes, "chunk_bytes": args.chunk_bytes,
             "input_bytes": input_bytes, "wall_s": wall_s, "errors": [],
@@ -209,7 +215,8 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
             "machine_busy_cores": 0.0, "machine_cores": os.cpu_count() or 0,
             "GB_per_wall_s": input_bytes / wall_s / 1e9,
             "GB_per_daemon_cpu_s": input_bytes / cpu / 1e9, "chunk_latency_p50_s": 0.0,
-            "coalesce_at_most": args.coalesce, "sums": summed, "sums_coalesced": coalesced}
+            "coalesce_at_most": args.coalesce, "sums": summed, "sums_coalesced": coalesced,
+            "wire_dtype": args.wire_dtype}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -262,11 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-bytes", type=int, default=1 << 30,
                         help="daemon input per run, about (default 1 GiB)")
     parser.add_argument("--max-inflight-bytes", type=int, default=4 << 30)
+    parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float16",
+                        help="table mode: the contributions' wire dtype (the daemon mode's "
+                             "load generator sends float16)")
     parser.add_argument("--coalesce", type=int, default=None,
                         help="table mode: a chunk's queued adds a summing thread takes in one "
                              "pass, at most (1: each alone; default: the pool's)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.mode == "daemon" and args.wire_dtype != "float16":
+        parser.error("--wire-dtype: the daemon mode's load generator sends float16 only")
     counts = [int(n) for n in args.threads.split(",")]
     rows = []
     for repeat in range(args.repeats):
