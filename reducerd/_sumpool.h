@@ -66,6 +66,7 @@ typedef struct {
     Py_ssize_t live, queued_bytes, queued_bytes_at_most, pending;
     Py_ssize_t summed;           /* copies and adds run so far */
     Py_ssize_t coalesced;        /* of those, the ones that ran in a pass with others */
+    Py_ssize_t finished_in_pass; /* finishes that ran in a pass with their chunk's adds */
     int waiters;
     pthread_mutex_t lock;        /* guards everything here and in the partitions */
     pthread_cond_t changed;      /* room, idle, a worker exiting */

@@ -204,6 +204,12 @@ class CSummingPool:
         return self._c.sums()[0]
 
     @property
+    def finished_in_pass(self) -> int:
+        """Finishes run in a pass with their chunk's adds, so far: the sum
+        narrowed into the reply while its pieces were still in L1."""
+        return self._c.sums()[2]
+
+    @property
     def queued_bytes(self) -> int:
         return int(self._c.queued_bytes)
 
@@ -215,10 +221,11 @@ class CSummingPool:
         """Refuse new tasks, run every queued one, stop the threads; False if
         some thread was still busy after `timeout_s`."""
         stopped = bool(self._c.close(float(timeout_s)))
-        summed, coalesced = self._c.sums()
+        summed, coalesced, finished = self._c.sums()
         if summed:
             log.info("summing threads: %d of %d copies and adds summed in passes with "
-                     "others of their chunk (queued behind it)", coalesced, summed)
+                     "others of their chunk (queued behind it), %d finishes in those passes",
+                     coalesced, summed, finished)
         if not stopped:
             log.error("summing threads still busy %g s after the pool closed", timeout_s)
         return stopped

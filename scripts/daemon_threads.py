@@ -56,7 +56,8 @@ from reducerd.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.summing_c import summing_pool
 
 _TICKS = os.sysconf("SC_CLK_TCK")
-_SHARED_RE = re.compile(r"summing threads: (\d+) of (\d+) copies and adds summed in passes")
+_SHARED_RE = re.compile(r"summing threads: (\d+) of (\d+) copies and adds summed in passes"
+                        r".*?(\d+) finishes in those passes")
 
 
 def machine_busy_s() -> tuple[float, float]:
@@ -139,6 +140,7 @@ def measure(threads: int, args: argparse.Namespace) -> dict[str, Any]:
         "chunk_latency_p50_s": result["chunk_latency_s"].get("p50", 0.0),
         "sums": int(shared.group(2)) if shared else 0,
         "sums_coalesced": int(shared.group(1)) if shared else 0,
+        "finishes_in_passes": int(shared.group(3)) if shared else 0,
     }
 
 
@@ -202,10 +204,10 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     wall_s = time.perf_counter() - started_s
     cpu = time.process_time() - started_cpu_s
     loop = time.thread_time() - loop_started_s
-    summed = coalesced = 0
+    summed = coalesced = finished_in_pass = 0
     if pool is not None:
         pool.close()
-        summed, coalesced = pool.summed, pool.coalesced
+        summed, coalesced, finished_in_pass = pool.summed, pool.coalesced, pool.finished_in_pass
     input_bytes = rounds * chunks * world * wire_bytes
     return {"threads": threads, "contributors": world, "rounds": rounds,
             "key_bytes": chunks * args.chunk_bytes, "chunk_bytes": args.chunk_bytes,
@@ -216,6 +218,7 @@ def table_run(threads: int, args: argparse.Namespace) -> dict[str, Any]:
             "GB_per_wall_s": input_bytes / wall_s / 1e9,
             "GB_per_daemon_cpu_s": input_bytes / cpu / 1e9, "chunk_latency_p50_s": 0.0,
             "coalesce_at_most": args.coalesce, "sums": summed, "sums_coalesced": coalesced,
+            "finishes_in_passes": finished_in_pass,
             "wire_dtype": args.wire_dtype}
 
 
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((measure if args.mode == "daemon" else measure_table)(n, args))
             r = rows[-1]
             shared = (f", {r['sums_coalesced']} of {r['sums']} sums in shared passes"
-                      if r.get("sums") else "")
+                      f" ({r.get('finishes_in_passes', 0)} finishes)" if r.get("sums") else "")
             print(f"run {repeat + 1}, --threads {n}: {r['GB_per_wall_s']:.3f} GB/wall-s, "
                   f"{r['GB_per_daemon_cpu_s']:.3f} GB/daemon-CPU-s, {len(r['errors'])} errors"
                   f"{shared}", file=sys.stderr, flush=True)

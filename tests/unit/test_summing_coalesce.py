@@ -1,14 +1,15 @@
-"""A summing thread sums a chunk's queued copy and adds in one pass
-(reducerd/_sumpool_threads.c: take_adds, run_adds).
+"""A summing thread sums a chunk's queued copy and adds, and its finish if
+it follows them, in one pass (reducerd/_sumpool_threads.c: take_adds,
+run_pass).
 
 The pool's one thread is held by a Python task while the test queues two
-chunks' tasks interleaved; then each chunk's copy and adds must run as one
-pass (the pool counts them), give the bits of the same tasks run one by one
-(float32, in rank order, checked against NumPy), and run in their chunk's
-order: never past the chunk's finish, nor past a Python task, which may read
-the accumulator. An int8 message (all its block scales, then its codes)
-is cut where its blocks divide the pass's 4,096 elements, else summed task
-by task.
+chunks' tasks interleaved; then each chunk's copy, adds and finish must run
+as one pass (the pool counts them), give the bits of the same tasks run one
+by one (float32, in rank order, MEAN's division in float32, checked against
+NumPy), and run in their chunk's order: never past the chunk's finish, nor
+past a Python task, which may read the accumulator. An int8 message (all
+its block scales, then its codes) is cut where its blocks divide the pass's
+4,096 elements, else summed task by task; its finish runs alone.
 """
 
 from __future__ import annotations
@@ -69,18 +70,21 @@ def contributions(dtype: int, world: int, seed: int) -> list[bytes]:
     return out
 
 
-def sequential_sum(dtype: int, wires: list[bytes]) -> bytes:
-    """The finish's bytes of the sum task by task: widen, add in order, in float32."""
+def sequential_sum(dtype: int, wires: list[bytes], divisor: int = 0) -> bytes:
+    """The finish's bytes of the sum task by task: widen, add in order, in
+    float32, divide by `divisor` (MEAN; 0: SUM) and narrow."""
     acc, widened = np.empty(NUMEL, np.float32), np.empty(NUMEL, np.float32)
     convert.from_wire(wires[0], dtype, acc)
     for wire in wires[1:]:
         convert.from_wire(wire, dtype, widened)
         acc += widened
+    if divisor:
+        acc /= np.float32(divisor)
     return convert.to_wire(acc, dtype).tobytes()
 
 
 def queue_two_chunks(pool: CSummingPool, dtype: int, chunks: dict[str, list[bytes]],
-                     order: list) -> dict[str, bytearray]:
+                     order: list, divisor: int = 0) -> dict[str, bytearray]:
     """Each chunk's copy, then their adds rank by rank, interleaved, then the
     finishes; every done records (chunk, step) in `order`."""
     accs = {name: pool.new_accumulator(NUMEL) for name in chunks}
@@ -91,12 +95,14 @@ def queue_two_chunks(pool: CSummingPool, dtype: int, chunks: dict[str, list[byte
             pool.submit_sum(0, COPY if rank == 0 else ADD, accs[name], wires[rank], dtype,
                             (order.append, (name, rank)))
     for name in chunks:
-        pool.submit_finish(0, accs[name], payloads[name], dtype, 0, (order.append, (name, "f")))
+        pool.submit_finish(0, accs[name], payloads[name], dtype, divisor,
+                           (order.append, (name, "f")))
     return payloads
 
 
+@pytest.mark.parametrize("divisor", [0, 5], ids=["sum", "mean"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: pb.DType.Name(d))
-def test_a_chunks_queued_adds_run_in_one_pass_with_the_bits_of_one_by_one(dtype):
+def test_a_chunks_queued_adds_run_in_one_pass_with_the_bits_of_one_by_one(dtype, divisor):
     world = 5
     chunks = {"a": contributions(dtype, world, 1), "b": contributions(dtype, world, 2)}
     results = {}
@@ -104,18 +110,21 @@ def test_a_chunks_queued_adds_run_in_one_pass_with_the_bits_of_one_by_one(dtype)
         held = HeldPool(coalesce_at_most=coalesce)
         try:
             order: list = []
-            payloads = queue_two_chunks(held.pool, dtype, chunks, order)
+            payloads = queue_two_chunks(held.pool, dtype, chunks, order, divisor)
             held.release_and_run()
             results[coalesce] = {name: bytes(p) for name, p in payloads.items()}
-            # Each chunk's copy and 4 adds in one pass; nothing with coalescing off.
+            # Each chunk's copy, 4 adds and finish (not int8's) in one pass;
+            # nothing with coalescing off.
             assert held.pool.summed == 2 * world
             assert held.pool.coalesced == (2 * world if coalesce > 1 else 0)
+            joined = coalesce > 1 and dtype != pb.DTYPE_INT8_BLOCK128
+            assert held.pool.finished_in_pass == (2 if joined else 0)
             for name in chunks:  # a chunk's tasks finish in the order queued
                 assert [s for n, s in order if n == name] == [*range(world), "f"]
         finally:
             held.close()
     for name, wires in chunks.items():
-        assert results[16][name] == sequential_sum(dtype, wires), name
+        assert results[16][name] == sequential_sum(dtype, wires, divisor), name
     assert results[16] == results[1]
 
 
@@ -127,8 +136,8 @@ def test_a_pass_takes_at_most_coalesce_at_most_tasks():
         order: list = []
         payloads = queue_two_chunks(held.pool, dtype, {"a": wires}, order)
         held.release_and_run()
-        # Passes of 3, 3 and then the last add alone: 6 coalesced of 7.
-        assert held.pool.coalesced == 6
+        # Passes of 3 adds, 3 adds, then the last add with the finish.
+        assert (held.pool.coalesced, held.pool.finished_in_pass) == (7, 1)
         assert bytes(payloads["a"]) == sequential_sum(dtype, wires)
     finally:
         held.close()
@@ -179,13 +188,16 @@ def test_a_pass_never_takes_an_add_past_its_chunks_finish_or_a_python_task():
         pool.submit(0, lambda scratch: seen.append(np.frombuffer(acc, np.float32).copy()))
         pool.submit_sum(0, ADD, acc, ones, dtype, (len, ()))
         pool.submit_finish(0, acc, payload, dtype, 0, (len, ()))
-        # An add queued after the finish finds the memory given back: no effect.
+        # An add queued after the finish finds the memory given back: no effect
+        # (the finish ends the pass it joins).
         pool.submit_sum(0, ADD, acc, ones, dtype, (len, ()))
         held.release_and_run()
         (snapshot,) = seen
         assert np.all(snapshot == 2.0)
         assert np.all(np.frombuffer(payload, np.float16) == 3.0)
         assert not acc.held
-        assert (pool.summed, pool.coalesced) == (4, 2)  # the copy and an add; then each alone
+        # Passes: the copy and an add (up to the Python task); the second add
+        # and the finish; the add after it alone.
+        assert (pool.summed, pool.coalesced, pool.finished_in_pass) == (4, 3, 1)
     finally:
         held.close()
