@@ -111,19 +111,51 @@ def test_default_chunks_weigh_the_pipelines_ends_against_the_cost_per_chunk():
             chunk_cost_bytes(bad)
 
 
+TOTALS = [1, 1000, 16 << 10, 64 << 10, 512 << 10, 1 << 20, 3 << 20, 4_325_376, 8 << 20,
+          16 << 20, 100_000_007, 1 << 30, *range(1 << 16, 64 << 20, 999_983)]
+
+
 @pytest.mark.parametrize("daemons", [1, 2, 3, 4, 8])
-def test_on_a_200_mbit_link_the_default_chunks_are_rule_v3s(daemons):
-    """Where the link, not the daemon, sets the pace, the fixed cost per chunk
-    hides behind the transfer: rule v4 at 200 Mbit/s cuts every key as v3 did
-    (32 chunks per daemon, within [64 KiB, 1 MiB]), which the emulated
-    cluster's runs were measured with."""
-    from reducer_wire.layout import chunk_cost_bytes, pipelined_chunk_bytes
+def test_where_a_chunks_fixed_cost_is_64_kib_or_more_rule_v5_cuts_as_v4(daemons):
+    """A fast network (or a link of 10 Gbit/s and up, where the daemon's CPU
+    sets the pace): the floor stays 64 KiB, so every key is cut as before."""
+    from reducer_wire.layout import CHUNK_COST_BYTES, chunk_cost_bytes, pipelined_chunk_bytes
+
+    for cost in (CHUNK_COST_BYTES, chunk_cost_bytes(1.25e9), MIN_CHUNK_BYTES):
+        for total in TOTALS:
+            per_daemon = -(-total // daemons)
+            wanted = max(math.isqrt(cost * per_daemon // 2), -(-per_daemon // 32))
+            v4 = max(MIN_CHUNK_BYTES, min(DEFAULT_CHUNK_BYTES, wanted))
+            assert pipelined_chunk_bytes(total, daemons, cost_bytes=cost) == v4, (cost, total)
+
+
+@pytest.mark.parametrize("daemons", [1, 2, 3, 4, 8])
+def test_on_a_slow_link_the_floor_is_a_chunks_fixed_cost_but_16_kib_at_least(daemons):
+    """At 200 Mbit/s (a fixed cost of 2,185 bytes) rule v5's floor is 16 KiB:
+    where v3 and v4 gave 32 chunks per daemon of 64 KiB or more, the same;
+    below, the cost model's size, 16 KiB at least (v4: 64 KiB)."""
+    from reducer_wire.layout import (
+        SLOW_LINK_MIN_CHUNK_BYTES,
+        chunk_cost_bytes,
+        pipelined_chunk_bytes,
+    )
 
     slow = chunk_cost_bytes(25e6)
-    for total in [1, 1000, 64 << 10, 1 << 20, 3 << 20, 8 << 20, 16 << 20, 100_000_007,
-                  1 << 30, *range(1 << 16, 64 << 20, 999_983)]:
-        v3 = max(MIN_CHUNK_BYTES, min(DEFAULT_CHUNK_BYTES, -(-total // (daemons * 32))))
-        assert pipelined_chunk_bytes(total, daemons, cost_bytes=slow) == v3, total
+    for total in TOTALS:
+        per_daemon = -(-total // daemons)
+        v3 = max(MIN_CHUNK_BYTES, min(DEFAULT_CHUNK_BYTES, -(-per_daemon // 32)))
+        got = pipelined_chunk_bytes(total, daemons, cost_bytes=slow)
+        if v3 > MIN_CHUNK_BYTES:
+            assert got == v3, total
+        else:
+            wanted = max(math.isqrt(slow * per_daemon // 2), -(-per_daemon // 32))
+            assert got == max(SLOW_LINK_MIN_CHUNK_BYTES, wanted) <= MIN_CHUNK_BYTES, total
+    # The emulated cluster's keys (N = D = 4): float16 1 MiB and 16 MiB, int8 16 MiB.
+    assert pipelined_chunk_bytes(512 << 10, 4, cost_bytes=slow) == 16 << 10
+    assert pipelined_chunk_bytes(8 << 20, 4, cost_bytes=slow) == 64 << 10
+    assert pipelined_chunk_bytes(4_325_376, 4, cost_bytes=slow) == 34_371
+    # 1 Gbit/s: a fixed cost of 10,923 bytes, so the floor is 16 KiB too.
+    assert pipelined_chunk_bytes(1 << 20, 4, cost_bytes=chunk_cost_bytes(125e6)) == 37_837
 
 
 @settings(max_examples=200, deadline=None)
@@ -172,7 +204,11 @@ def test_fingerprint_names_rule_daemons_place_chunk_bytes_and_sizing():
         text = f"reducer-layout/{rule} {num_daemons} {daemon} {chunk_bytes}".encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
 
-    assert LAYOUT_RULE == "reducer-layout/v4"
+    def v4(num_daemons, daemon, chunk_bytes, cost):  # a v4 client: the same sizing words
+        text = f"reducer-layout/v4 {num_daemons} {daemon} {chunk_bytes} cost={cost}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") or 1
+
+    assert LAYOUT_RULE == "reducer-layout/v5"
     base = layout_fingerprint(4, 1, 1 << 20, 128 << 10)
     assert base == layout_fingerprint(4, 1, 1 << 20, 128 << 10) and 0 < base < 1 << 64
     others = {layout_fingerprint(5, 1, 1 << 20, 128 << 10),
@@ -180,8 +216,9 @@ def test_fingerprint_names_rule_daemons_place_chunk_bytes_and_sizing():
               layout_fingerprint(4, 1, 1 << 19, 128 << 10),
               layout_fingerprint(4, 1, 1 << 20, 2185),  # sized for a 200 Mbit/s link
               layout_fingerprint(4, 1, 1 << 20, None),  # fixed 1 MiB chunks
-              v1(4, 1, 1 << 20), v1(4, 1, 1 << 20, "v2"), v1(4, 1, 1 << 20, "v3")}
-    assert base not in others and len(others) == 8
+              v1(4, 1, 1 << 20), v1(4, 1, 1 << 20, "v2"), v1(4, 1, 1 << 20, "v3"),
+              v4(4, 1, 1 << 20, 128 << 10)}
+    assert base not in others and len(others) == 9
     # Links the daemon cannot keep up with anyway size chunks alike: they agree.
     assert KeyLayout.for_link(4, None, 12.5e9).fingerprint(1) == base
     assert KeyLayout.for_link(4, None, None).fingerprint(1) == base

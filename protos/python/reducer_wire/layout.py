@@ -21,7 +21,8 @@ from reducer_wire import dtypes
 
 __all__ = ["Chunk", "KeyLayout", "chunk_count", "plan_chunks", "plan_wire_chunks",
            "layout_fingerprint", "pipelined_chunk_bytes", "chunk_cost_bytes", "DEFAULT_CHUNK_BYTES",
-           "CHUNK_COST_BYTES", "DAEMON_BYTES_PER_S", "LAYOUT_RULE"]
+           "CHUNK_COST_BYTES", "DAEMON_BYTES_PER_S", "LAYOUT_RULE", "MIN_CHUNK_BYTES",
+           "SLOW_LINK_MIN_CHUNK_BYTES"]
 
 # Wire bytes per chunk at most, by default: well under gRPC's 4 MiB message
 # limit; on loopback 512 KiB to 3.5 MiB chunks gave the same daemon CPU per
@@ -38,9 +39,18 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # chunks cost CPU per chunk. So: uniform chunks. With the links kept in step
 # (transport/order.py) 16, 32 and 64 per daemon took 1.15x, 1.08x and 1.08x
 # the bound on the emulated 200 Mbit cluster (N = D = 4, 64 MiB float16):
-# never more than 32 per daemon, and never under MIN_CHUNK_BYTES.
+# never more than 32 per daemon, and never under MIN_CHUNK_BYTES, or on a
+# slow link its floor (pipelined_chunk_bytes).
 PIPELINE_CHUNKS_PER_DAEMON = 32
 MIN_CHUNK_BYTES = 64 << 10
+# Rule v5: on a link slow enough that a chunk's fixed cost (c R below) is
+# under MIN_CHUNK_BYTES, the floor is that cost, down to SLOW_LINK_MIN_CHUNK_BYTES:
+# the ends, not the CPU, set the best size there. Emulated 200 Mbit/s (c R
+# = 2,185 bytes), float16 keys of 512 KiB on the wire, 2 vCPUs for every
+# process: N = 8, D = 4 took 80-82 ms in 64 KiB chunks, 71-73 in 32 KiB,
+# 54-56 in 16 KiB and 58-59 in 8 KiB (there the per-chunk CPU shows
+# again); N = 4, D = 4 41-44, 37, 29-30 ms. A fast network keeps v4's sizes.
+SLOW_LINK_MIN_CHUNK_BYTES = 16 << 10
 # Each chunk also costs a daemon fixed work (reading the frame, its
 # bookkeeping, a reply per worker): about 88 us of CPU per contribution on
 # an Intel Xeon (family 6 model 167), the time it sums 128 KiB of float16
@@ -60,9 +70,9 @@ CHUNK_COST_BYTES = 128 << 10
 DAEMON_BYTES_PER_S = 1.5e9
 # Named in the layout fingerprint: a client that cuts keys by another rule
 # (v1: 16 chunks per daemon; v2: every key over every daemon, however small
-# its chunks; v3: 32 chunks per daemon whatever the link) is refused by the
-# daemon instead of mixing.
-LAYOUT_RULE = "reducer-layout/v4"
+# its chunks; v3: 32 chunks per daemon whatever the link; v4: never under
+# 64 KiB whatever the link) is refused by the daemon instead of mixing.
+LAYOUT_RULE = "reducer-layout/v5"
 
 
 @dataclass(frozen=True)
@@ -161,16 +171,19 @@ def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,
 
     sqrt(cost_bytes x bytes per daemon / 2) (see CHUNK_COST_BYTES; cost_bytes
     from chunk_cost_bytes(link rate)), but small enough for at most
-    PIPELINE_CHUNKS_PER_DAEMON chunks per daemon, at least MIN_CHUNK_BYTES, at
-    most max_chunk_bytes: a function of the key's size, the daemon count and
-    the link rate only, so every worker that is given the same rate picks the same.
+    PIPELINE_CHUNKS_PER_DAEMON chunks per daemon, at least the floor
+    (MIN_CHUNK_BYTES; on a slow link cost_bytes, but SLOW_LINK_MIN_CHUNK_BYTES
+    at least), at most max_chunk_bytes: a function of the key's size, the
+    daemon count and the link rate only, so every worker that is given the
+    same rate picks the same.
     """
     if cost_bytes < 1:
         raise ValueError(f"cost_bytes must be >= 1, got {cost_bytes}")
     per_daemon = -(-total_bytes // num_daemons)
     wanted = max(math.isqrt(cost_bytes * per_daemon // 2),
                  -(-per_daemon // PIPELINE_CHUNKS_PER_DAEMON))
-    return max(min(MIN_CHUNK_BYTES, max_chunk_bytes), min(max_chunk_bytes, wanted))
+    floor = max(SLOW_LINK_MIN_CHUNK_BYTES, min(MIN_CHUNK_BYTES, cost_bytes))
+    return max(min(floor, max_chunk_bytes), min(max_chunk_bytes, wanted))
 
 
 def layout_fingerprint(num_daemons: int, daemon: int, chunk_bytes: int,
