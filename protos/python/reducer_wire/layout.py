@@ -44,12 +44,15 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 PIPELINE_CHUNKS_PER_DAEMON = 32
 MIN_CHUNK_BYTES = 64 << 10
 # Rule v5: on a link slow enough that a chunk's fixed cost (c R below) is
-# under MIN_CHUNK_BYTES, the floor is that cost, down to SLOW_LINK_MIN_CHUNK_BYTES:
-# the ends, not the CPU, set the best size there. Emulated 200 Mbit/s (c R
-# = 2,185 bytes), float16 keys of 512 KiB on the wire, 2 vCPUs for every
-# process: N = 8, D = 4 took 80-82 ms in 64 KiB chunks, 71-73 in 32 KiB,
-# 54-56 in 16 KiB and 58-59 in 8 KiB (there the per-chunk CPU shows
-# again); N = 4, D = 4 41-44, 37, 29-30 ms. A fast network keeps v4's sizes.
+# under MIN_CHUNK_BYTES, a key of MIN_CHUNK_BYTES per daemon or more gets
+# that cost as its floor, down to SLOW_LINK_MIN_CHUNK_BYTES: the ends, not
+# the CPU, set the best size there. Emulated 200 Mbit/s (c R = 2,185
+# bytes), float16 keys of 512 KiB on the wire, 2 vCPUs for every process:
+# N = 8, D = 4 took 80-82 ms in 64 KiB chunks, 71-73 in 32 KiB, 54-56 in 16
+# KiB and 58-59 in 8 KiB (there the per-chunk CPU shows again); N = 4,
+# D = 4 41-44, 37, 29-30 ms. Smaller keys keep 64 KiB (cut for every daemon,
+# the training bench's 128 KiB buckets cost its 2 cores 3.7 % more a step),
+# and a fast network keeps v4's sizes.
 SLOW_LINK_MIN_CHUNK_BYTES = 16 << 10
 # Each chunk also costs a daemon fixed work (reading the frame, its
 # bookkeeping, a reply per worker): about 88 us of CPU per contribution on
@@ -172,8 +175,9 @@ def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,
     sqrt(cost_bytes x bytes per daemon / 2) (see CHUNK_COST_BYTES; cost_bytes
     from chunk_cost_bytes(link rate)), but small enough for at most
     PIPELINE_CHUNKS_PER_DAEMON chunks per daemon, at least the floor
-    (MIN_CHUNK_BYTES; on a slow link cost_bytes, but SLOW_LINK_MIN_CHUNK_BYTES
-    at least), at most max_chunk_bytes: a function of the key's size, the
+    (MIN_CHUNK_BYTES; on a slow link, for a key of MIN_CHUNK_BYTES per daemon
+    or more, cost_bytes, but SLOW_LINK_MIN_CHUNK_BYTES at least), at most
+    max_chunk_bytes: a function of the key's size, the
     daemon count and the link rate only, so every worker that is given the
     same rate picks the same.
     """
@@ -182,7 +186,9 @@ def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,
     per_daemon = -(-total_bytes // num_daemons)
     wanted = max(math.isqrt(cost_bytes * per_daemon // 2),
                  -(-per_daemon // PIPELINE_CHUNKS_PER_DAEMON))
-    floor = max(SLOW_LINK_MIN_CHUNK_BYTES, min(MIN_CHUNK_BYTES, cost_bytes))
+    floor = MIN_CHUNK_BYTES
+    if per_daemon >= MIN_CHUNK_BYTES:  # a small key keeps v4's few chunks (plan_chunks)
+        floor = max(SLOW_LINK_MIN_CHUNK_BYTES, min(MIN_CHUNK_BYTES, cost_bytes))
     return max(min(floor, max_chunk_bytes), min(max_chunk_bytes, wanted))
 
 
