@@ -53,23 +53,27 @@ static void give_back(partition_t *part, Acc *a) {
 
 #define INT8_SCALE_BYTES 4  /* a float32 per block, all of a message's first */
 
-/* Whether a message of this codec can be cut into COALESCE_BLOCK pieces, each
- * a message of its own elements: every element-wise codec, and int8 whose
- * blocks divide it (a piece's scales and codes are gathered: piece_of). */
-static int cuttable(int codec, Py_ssize_t param) {
-    if (codec != CODEC_INT8) return 1;
-    return param > 0 && COALESCE_BLOCK % param == 0;
+/* Wire bytes per element of an element-wise codec (a slice of its message
+ * is the message of those elements); 0 for int8, whose message holds all
+ * its block scales before its codes (piece_of gathers a piece's). */
+static Py_ssize_t element_width(int codec) {
+    switch (codec) {
+    case CODEC_FLOAT32: return 4;
+    case CODEC_FLOAT16: case CODEC_BFLOAT16: return 2;
+    case CODEC_FP8: return 1;
+    default: return 0;
+    }
 }
 
-/* Where element `at` of a message starts, for the element-wise codecs; -1
- * for int8, whose pieces are gathered (piece_of). */
-static Py_ssize_t element_offset(int codec, Py_ssize_t at) {
-    switch (codec) {
-    case CODEC_FLOAT32: return 4 * at;
-    case CODEC_FLOAT16: case CODEC_BFLOAT16: return 2 * at;
-    case CODEC_FP8: return at;
-    default: return -1;
-    }
+/* Whether a message can be cut into COALESCE_BLOCK pieces: every
+ * element-wise codec, and int8 whose blocks divide the piece. */
+static int cuttable(int codec, Py_ssize_t param) {
+    return element_width(codec) > 0 || (param > 0 && COALESCE_BLOCK % param == 0);
+}
+
+/* MEAN's division of n accumulated elements. */
+static void divide(float *acc, Py_ssize_t n, float divisor) {
+    for (Py_ssize_t i = 0; i < n; i++) acc[i] = acc[i] / divisor;
 }
 
 /* Elements [at, at + n) of t's message, as the message of those elements: a
@@ -78,8 +82,8 @@ static Py_ssize_t element_offset(int codec, Py_ssize_t at) {
 static const char *piece_of(const task_t *t, Py_ssize_t numel, Py_ssize_t at, Py_ssize_t n,
                             char *scratch) {
     const char *src = (const char *)t->wire.buf;
-    Py_ssize_t offset = element_offset(t->codec, at);
-    if (offset >= 0) return src + offset;
+    Py_ssize_t width = element_width(t->codec);
+    if (width > 0) return src + width * at;
     Py_ssize_t block = t->param, blocks = (numel + block - 1) / block;
     Py_ssize_t first = at / block, count = (n + block - 1) / block;
     memcpy(scratch, src + INT8_SCALE_BYTES * first, (size_t)(INT8_SCALE_BYTES * count));
@@ -93,18 +97,16 @@ static const char *piece_of(const task_t *t, Py_ssize_t numel, Py_ssize_t at, Py
  * more than the pass saved, 2-5 % in the table run.) */
 static void finish_piece(const rw_codec *c, float *acc, const task_t *f, Py_ssize_t at,
                          Py_ssize_t n) {
-    if (f->divisor > 0) {
-        float d = f->divisor;
-        for (Py_ssize_t i = at; i < at + n; i++) acc[i] = acc[i] / d;
-    }
-    c->narrow(acc + at, (char *)f->wire.buf + element_offset(f->codec, at), n, f->param);
+    if (f->divisor > 0) divide(acc + at, n, f->divisor);
+    c->narrow(acc + at, (char *)f->wire.buf + element_width(f->codec) * at, n, f->param);
 }
 
 /* A chunk's copy or adds, t[0..k) in order, and its finish if t[k - 1] is it
- * (k > 1 only where cuttable; a finish only for element-wise codecs): piece by piece, every task over the piece
- * before the next piece, so each element sees the same operations in the
- * same order as task by task (the same bits), and the accumulator's piece is
- * read and written once per pass instead of once per task. */
+ * (k > 1 only where cuttable; a finish only for element-wise codecs): piece
+ * by piece, every task over the piece before the next piece, so each element
+ * sees the same operations in the same order as task by task (the same
+ * bits), and the accumulator's piece is read and written once per pass
+ * instead of once per task. */
 static void run_pass(const rw_codec *c, float *acc, Py_ssize_t numel, const task_t *t, int k) {
     if (k == 1) {
         if (t->kind == TASK_COPY) c->widen((const char *)t->wire.buf, acc, numel, t->param);
@@ -147,10 +149,7 @@ static void run_sums(Pool *p, partition_t *part, task_t *t, int k) {
         if (t[k - 1].kind == TASK_FINISH) give_back(part, a);
         break;
     case TASK_FINISH:
-        if (t->divisor > 0) {
-            float d = t->divisor;
-            for (Py_ssize_t i = 0; i < a->numel; i++) acc[i] = acc[i] / d;
-        }
+        if (t->divisor > 0) divide(acc, a->numel, t->divisor);
         c->narrow(acc, (char *)t->wire.buf, a->numel, t->param);
         give_back(part, a);
         break;
@@ -196,8 +195,7 @@ static task_t take_at(partition_t *part, size_t i) {
 
 /* With out[0] a copy or add just taken: take the adds to the same chunk
  * queued behind it into out[1..), and its finish if it comes next (not
- * int8's: finish_piece), up to
- * `at_most` tasks in all. Tasks of other chunks may be passed (they touch
+ * int8's: finish_piece), up to `at_most` tasks in all. Tasks of other chunks may be passed (they touch
  * other memory); the look stops at the chunk's finish, at any other task of
  * the chunk (a mark) and at a Python task, which may read anything. Returns
  * the count in out. */
@@ -214,7 +212,7 @@ static int take_adds(partition_t *part, task_t *out, int at_most) {
         }
         int same_codec = next->codec == out[0].codec && next->param == out[0].param;
         if (next->kind == TASK_FINISH) {
-            if (same_codec && element_offset(next->codec, 0) >= 0) out[k++] = take_at(part, i);
+            if (same_codec && element_width(next->codec) > 0) out[k++] = take_at(part, i);
             break;
         }
         if (next->kind != TASK_ADD || !same_codec) break;
@@ -238,10 +236,9 @@ static int next_tasks(Pool *p, partition_t *part, task_t *out) {
     }
     out[0] = take_at(part, 0);
     int k = 1;
-    if ((out[0].kind == TASK_COPY || out[0].kind == TASK_ADD) && out[0].acc != NULL)
+    if (out[0].kind == TASK_COPY || out[0].kind == TASK_ADD) {  /* a pass, maybe */
         k = take_adds(part, out, p->coalesce_at_most);
-    if (out[0].kind == TASK_COPY || out[0].kind == TASK_ADD) {
-        int finished = out[k - 1].kind == TASK_FINISH && k > 1;
+        int finished = out[k - 1].kind == TASK_FINISH;
         p->summed += k - finished;
         if (k > 1) p->coalesced += k - finished;
         p->finished_in_pass += finished;

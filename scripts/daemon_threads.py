@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((measure if args.mode == "daemon" else measure_table)(n, args))
             r = rows[-1]
             shared = (f", {r['sums_coalesced']} of {r['sums']} sums in shared passes"
-                      f" ({r.get('finishes_in_passes', 0)} finishes)" if r.get("sums") else "")
+                      f" ({r['finishes_in_passes']} finishes)" if r["sums"] else "")
             print(f"run {repeat + 1}, --threads {n}: {r['GB_per_wall_s']:.3f} GB/wall-s, "
                   f"{r['GB_per_daemon_cpu_s']:.3f} GB/daemon-CPU-s, {len(r['errors'])} errors"
                   f"{shared}", file=sys.stderr, flush=True)

@@ -177,9 +177,8 @@ def pipelined_chunk_bytes(total_bytes: int, num_daemons: int,
     PIPELINE_CHUNKS_PER_DAEMON chunks per daemon, at least the floor
     (MIN_CHUNK_BYTES; on a slow link, for a key of MIN_CHUNK_BYTES per daemon
     or more, cost_bytes, but SLOW_LINK_MIN_CHUNK_BYTES at least), at most
-    max_chunk_bytes: a function of the key's size, the
-    daemon count and the link rate only, so every worker that is given the
-    same rate picks the same.
+    max_chunk_bytes: a function of the key's size, the daemon count and the
+    link rate only, so every worker that is given the same rate picks the same.
     """
     if cost_bytes < 1:
         raise ValueError(f"cost_bytes must be >= 1, got {cost_bytes}")
