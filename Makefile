@@ -12,8 +12,8 @@ STAMP_MX := $(VENV_MX)/.installed
 FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_quant.c \
 	protos/python/reducer_wire/_fpmode.h \
 	protos/python/reducer_wire/_codec.c protos/python/reducer_wire/_api.h \
-	reducerd/_sumpool.c reducerd/_sumpool_threads.c reducerd/_sumpool_tasks.c \
-	reducerd/_sumpool.h
+	reducerd/core/_sumpool.c reducerd/core/_sumpool_threads.c reducerd/core/_sumpool_tasks.c \
+	reducerd/core/_sumpool.h
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
@@ -93,4 +93,4 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VENV_MX) .pytest_cache build protos/python/reducer_wire/_kernels*.so \
 		protos/python/reducer_wire/_quant*.so protos/python/reducer_wire/_codec*.so \
-		reducerd/_sumpool*.so
+		reducerd/core/_sumpool*.so

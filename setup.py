@@ -1,6 +1,6 @@
 """The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
 C), reducer_wire._quant (the 8-bit wire formats in C) and reducer_wire._codec
-(the Shard header parse), and the daemon's reducerd._sumpool (its summing
+(the Shard header parse), and the daemon's reducerd.core._sumpool (its summing
 threads in C, over the kernels' C API, reducer_wire/_api.h).
 
 Everything else is declared in pyproject.toml. The extensions are optional:
@@ -20,9 +20,10 @@ setup(ext_modules=[
               depends=["protos/python/reducer_wire/_fpmode.h",
                        "protos/python/reducer_wire/_api.h"],
               extra_compile_args=["-O3"], libraries=["m"], optional=True),
-    Extension("reducerd._sumpool", ["reducerd/_sumpool.c", "reducerd/_sumpool_threads.c",
-                                    "reducerd/_sumpool_tasks.c"],
-              depends=["reducerd/_sumpool.h", "protos/python/reducer_wire/_api.h"],
+    Extension("reducerd.core._sumpool", ["reducerd/core/_sumpool.c",
+                                         "reducerd/core/_sumpool_threads.c",
+                                         "reducerd/core/_sumpool_tasks.c"],
+              depends=["reducerd/core/_sumpool.h", "protos/python/reducer_wire/_api.h"],
               extra_compile_args=["-O3", "-fvisibility=hidden"], optional=True),
     Extension("reducer_wire._codec", ["protos/python/reducer_wire/_codec.c"],
               extra_compile_args=["-O2"], optional=True),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reducerd.local import running_daemons
+from reducerd.ops.local import running_daemons
 
 WORKERS, DAEMONS, STEPS, HIDDEN = 2, 2, 60, 512
 FEATURES, CLASSES, SAMPLES = 256, 10, 4096

@@ -9,8 +9,8 @@ import sys
 from typing import NoReturn
 
 from reducerd import __version__
-from reducerd.config import ConfigError, add_arguments, config_from_args
-from reducerd.logs import log_error, setup_logging
+from reducerd.ops.config import ConfigError, add_arguments, config_from_args
+from reducerd.ops.logs import log_error, setup_logging
 
 __all__ = ["main"]
 
@@ -50,8 +50,8 @@ def _run_daemon(argv: list[str]) -> int:
         sys.stdout.write(config.to_toml())
         return 0
     setup_logging(config.log_level)
-    from reducerd.memory import tune_malloc
-    from reducerd.server import Daemon  # grpc import only when serving
+    from reducerd.daemon.server import Daemon  # grpc import only when serving
+    from reducerd.ops.memory import tune_malloc
 
     tune_malloc()
 
@@ -70,15 +70,15 @@ def _run_daemon(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "status":
-        from reducerd.status import main as status_main
+        from reducerd.daemon.status import main as status_main
 
         return status_main(argv[1:])
     if argv and argv[0] == "top":
-        from reducerd.status import top_main
+        from reducerd.daemon.status import top_main
 
         return top_main(argv[1:])
     if argv and argv[0] == "token":
-        from reducerd.access import main as token_main
+        from reducerd.service.access import main as token_main
 
         return token_main(argv[1:])
     if argv and argv[0] == "bench":

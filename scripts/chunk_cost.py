@@ -18,7 +18,7 @@ import numpy as np
 from reducer_client.client import ReducerClient
 
 from reducerd.bench.procs import cpu_seconds
-from reducerd.local import start_daemon
+from reducerd.ops.local import start_daemon
 
 _KEYS = 50
 

@@ -37,7 +37,7 @@ def spin(q: Queue) -> None:
 def _add_rate(accumulators: int, contributions: int, passes: int) -> float:
     from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-    from reducerd.accumulate import add_wire_into
+    from reducerd.core.accumulate import add_wire_into
 
     numel = 1 << 19
     accs = [np.zeros(numel, np.float32) for _ in range(accumulators)]

@@ -68,7 +68,7 @@ def machine(log: Log) -> None:
     from reducer_wire import convert
 
     try:
-        import reducerd._sumpool  # noqa: F401
+        import reducerd.core._sumpool  # noqa: F401
         pool = "C"
     except ImportError:
         pool = "Python"
@@ -76,7 +76,7 @@ def machine(log: Log) -> None:
 
 
 def horovod_example(log: Log, world: int, fp16: bool, batches: int) -> bool:
-    from reducerd.local import running_daemons
+    from reducerd.ops.local import running_daemons
 
     script = ROOT / "examples" / "horovod" / "pytorch_synthetic_benchmark.py"
     argv = [sys.executable, str(script), "--model", "resnet50", "--batch-size", "64",

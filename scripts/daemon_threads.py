@@ -50,10 +50,10 @@ from reducer_wire.dtypes import WIRE_DTYPES, wire_nbytes, wire_numpy_dtype
 
 from reducerd.bench.loadgen import LoadSpec, run_load
 from reducerd.bench.procs import cpu_seconds as cpu_s
-from reducerd.local import start_daemon
-from reducerd.memory import tune_malloc
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.summing_c import summing_pool
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.summing_c import summing_pool
+from reducerd.ops.local import start_daemon
+from reducerd.ops.memory import tune_malloc
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _SHARED_RE = re.compile(r"summing threads: (\d+) of (\d+) copies and adds summed in passes"

@@ -49,7 +49,7 @@ def main() -> int:
     from core_cases import make_input
     from support import run_workers
 
-    from reducerd.local import running_daemons
+    from reducerd.ops.local import running_daemons
 
     with running_daemons(2) as daemons:
         results = run_workers(worker, args.workers, (daemons.addresses, args.numel),

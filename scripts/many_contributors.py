@@ -30,7 +30,7 @@ from typing import Any
 from reducerd.bench.loadgen import LoadSpec, run_load
 from reducerd.bench.procs import cpu_seconds as cpu_s
 from reducerd.bench.procs import proc_status
-from reducerd.local import start_daemon
+from reducerd.ops.local import start_daemon
 
 _DATA_RE = re.compile(r"data plane on (\S+):(\d+)")
 
@@ -80,7 +80,7 @@ def measure(contributors: int, args: argparse.Namespace) -> dict[str, Any]:
         ready: dict[str, Any] = {}
 
         def on_ready() -> None:
-            # The main thread is the event loop's, which alone sums (reducerd.server).
+            # The main thread is the event loop's, which alone sums (reducerd.daemon.server).
             ready.update(proc_status(pid), cpu_s=cpu_s(pid), loop_cpu_s=cpu_s(pid, pid))
 
         timed: dict[str, Any] = {}

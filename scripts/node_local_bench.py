@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from reducerd.local import running_daemons
+from reducerd.ops.local import running_daemons
 
 
 def job_bytes(addresses: list[str], job: str) -> tuple[int, int]:

@@ -62,7 +62,7 @@ def worker(job: int, rank: int, world: int, addresses: list[str], stop_at: float
 
 
 def run(duration_s: float, workers: int, daemons: int, warmup_s: float) -> dict:
-    from reducerd.local import running_daemons
+    from reducerd.ops.local import running_daemons
 
     with running_daemons(daemons, "--round-timeout", "60") as started:
         procs, addresses = started.processes, started.addresses

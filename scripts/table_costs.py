@@ -28,8 +28,8 @@ import time
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.grpc_service import STALLED_LISTED_AT_MOST
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.daemon.grpc_service import STALLED_LISTED_AT_MOST
 
 
 class _Sink:

@@ -27,7 +27,7 @@ from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.dtypes import wire_nbytes
 
-from reducerd import accumulate
+from reducerd.core import accumulate
 
 F16 = pb.DTYPE_FLOAT16
 CHUNK = 1 << 19  # float16 elements in a 1 MiB chunk

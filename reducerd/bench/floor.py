@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 from reducer_wire.framing import TruncatedFrame, recv_exactly
 
-from reducerd.bench.systems import Comm
-from reducerd.config import parse_host_port
+from reducerd.bench.comm import Comm
+from reducerd.ops.config import parse_host_port
 
 __all__ = ["FloorComm", "serve", "serve_on", "LISTENING"]
 

@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from reducerd.bench import netns
 from reducerd.bench.netns import Host
 from reducerd.bench.procs import Proc, ProcessSet, wait_for_log
-from reducerd.local import LISTEN_RE
+from reducerd.ops.local import LISTEN_RE
 
 __all__ = ["BenchError", "BenchSession", "start_daemons", "free_port", "progress_bar",
            "results_console", "READY_TIMEOUT_S"]

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from reducerd.bench.comm import Comm
 from reducerd.bench.config import REDUCERD_SYSTEMS, REDUCERD_WIRE_BASELINES, TCP_FLOOR_SYSTEMS
 from reducerd.bench.netns import read_counters
 
@@ -60,37 +61,6 @@ def _allowed_error(spec: dict[str, Any], expected: int) -> float:
     g = (n - 1) * 2.0 ** -24 / (1 - (n - 1) * 2.0 ** -24)
     inner = rel + g * (1 + rel) + 2.0 ** -24 * (1 + g) * (1 + rel)
     return (inner + rel * (1 + inner)) * expected
-
-
-class Comm(Protocol):
-    """One system's allreduce of `numel` float32 elements on this rank.
-
-    prepare() allocates, refill() restores the input (outside the timed
-    region: Gloo and MXNet reduce in place), run() is the timed allreduce
-    including any dtype casts the system needs, result() returns the float32
-    output that check() compares with the expected sum, barrier() syncs all
-    ranks, close() tears down.
-    """
-
-    def prepare(self, numel: int) -> None: ...
-    def refill(self) -> None:
-        return None
-    def run(self) -> None: ...
-    def result(self) -> np.ndarray: ...
-
-    def check(self, numel: int, expected: int, allowed: float, label: str) -> None:
-        """AssertionError unless result() has `numel` elements, each within `allowed`
-        of `expected`."""
-        out = self.result()
-        if out.size != numel:
-            raise AssertionError(f"{label}: {out.size} elements back, not {numel}")
-        wrong = np.abs(out.astype(np.float64) - expected) > allowed
-        if wrong.any():
-            bad = np.flatnonzero(wrong)[:3].tolist()
-            raise AssertionError(f"{label}: wrong sum at elements {bad}: {out[bad].tolist()} "
-                                 f"(expected {expected} within {allowed:g})")
-    def barrier(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def _reducer_client(spec: dict[str, Any]) -> Any:

@@ -1,22 +1,22 @@
 """Sizes (1K, 64M, 1G: binary units) and link rates (tc's syntax), parsed and printed.
 
-The grammar of rates, delays and sizes is reducerd.units', shared with
+The grammar of rates, delays and sizes is reducerd.ops.units', shared with
 `reducerd plan`; a rate here is handed to tc as written, so only tc's own
 syntax reads (200mbit, not "200 Mbit/s").
 """
 
 from __future__ import annotations
 
-from reducerd.units import parse_bytes
-from reducerd.units import parse_rate as _parse_rate
-from reducerd.units import parse_time as _parse_time
+from reducerd.ops.units import parse_bytes
+from reducerd.ops.units import parse_rate as _parse_rate
+from reducerd.ops.units import parse_time as _parse_time
 
 __all__ = ["parse_size", "parse_sizes", "parse_rate", "parse_time", "format_size",
            "format_bytes", "format_ms"]
 
 
 def parse_size(text: str) -> int:
-    """'64M' -> 67108864 bytes (reducerd.units.parse_bytes: K, M, G are powers of 1024)."""
+    """'64M' -> 67108864 bytes (reducerd.ops.units.parse_bytes: K, M, G are powers of 1024)."""
     nbytes = parse_bytes(text)
     if not nbytes.is_integer():
         raise ValueError(f"size {text!r}: {nbytes} bytes is not a whole number of bytes")

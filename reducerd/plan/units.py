@@ -1,6 +1,6 @@
 """The planner's quantities as people write them: link rates, delays, model sizes.
 
-Rates, delays and byte sizes follow reducerd.units, the grammar `reducerd
+Rates, delays and byte sizes follow reducerd.ops.units, the grammar `reducerd
 bench` reads too (rates in tc's syntax: 100gbit, 200mbit, 10gbps in bytes
 per second; here also "100Gbit/s"). A model is a parameter count ("340M
 params", "25.6Mparams", "1.5B params"; decimal, M = 1e6) or the size of its
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from reducerd.units import NUMBER, parse_bytes, parse_rate, parse_time
+from reducerd.ops.units import NUMBER, parse_bytes, parse_rate, parse_time
 
 __all__ = ["parse_rate", "parse_time", "parse_params", "format_rate", "format_bytes",
            "format_seconds"]

@@ -4,7 +4,7 @@ Health and reflection need no token, so anyone who reaches the port can open
 gRPC connections, and nothing bounded them but the descriptor limit: each
 held about 17 KiB of the daemon's memory once its HTTP/2 handshake was done
 (11 KiB before), so 65,536 descriptors (the systemd units' LimitNOFILE) were
-about 1 GiB. Now gRPC takes at most reducerd.server.MAX_GRPC_CONNECTIONS at
+about 1 GiB. Now gRPC takes at most reducerd.daemon.server.MAX_GRPC_CONNECTIONS at
 once (8,192; patched to 16 here, the same option counts at either) and closes
 the ones beyond as they come. A flood at the cap keeps workers out while it
 lasts (what a connection cap means; the data plane's handshake slots are the
@@ -21,7 +21,7 @@ from probes import assert_alive, good_job, limited_daemon, rss_bytes, wait_until
 pytestmark = pytest.mark.timeout(90)
 
 CAP = 16
-_SMALL_CAP = f"import reducerd.server as s; s.MAX_GRPC_CONNECTIONS = {CAP}"
+_SMALL_CAP = f"import reducerd.daemon.server as s; s.MAX_GRPC_CONNECTIONS = {CAP}"
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

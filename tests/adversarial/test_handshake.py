@@ -29,10 +29,10 @@ from probes import (
 )
 from reducer_wire.framing import MAGIC
 
-from reducerd.dataplane import MAX_HANDSHAKING
+from reducerd.dataplane.plane import MAX_HANDSHAKING
 
 HANDSHAKE_S = 3.0
-_SHORT_HANDSHAKE = f"import reducerd.dataplane as d; d.HANDSHAKE_TIMEOUT_S = {HANDSHAKE_S}"
+_SHORT_HANDSHAKE = f"import reducerd.dataplane.plane as d; d.HANDSHAKE_TIMEOUT_S = {HANDSHAKE_S}"
 
 
 def _closed_by_daemon(sock: socket.socket, timeout_s: float) -> bool:
@@ -103,7 +103,7 @@ def test_trickled_handshakes_cannot_lock_workers_out(tmp_path):
 
 def test_a_worker_refused_for_capacity_sends_through_grpc(tmp_path):
     # Two authenticated data connections at most (the real cap is 4096).
-    daemon = limited_daemon(log_dir=tmp_path, prelude="import reducerd.dataplane as d; "
+    daemon = limited_daemon(log_dir=tmp_path, prelude="import reducerd.dataplane.plane as d; "
                                                       "d.MAX_CONNECTIONS = 2")
     holders = []
     try:

@@ -6,7 +6,7 @@ world of 2, and whose rank 1 never comes, held every byte of
 --max-inflight-bytes the daemon's connections leave (56 of 64 MiB here), so
 another job's first chunk was refused with RESOURCE_EXHAUSTED until the
 round timeout. Now one job's open chunks hold --max-inflight-bytes-per-job
-at most (default: half the limit; reducerd.limits.job_refusal): the greedy
+at most (default: half the limit; reducerd.core.limits.job_refusal): the greedy
 job's chunks beyond it are refused, naming the option, a good job is served
 beside it, and everything is given back at the round timeout.
 """

@@ -5,7 +5,7 @@ as many streams as it liked: 3 data-plane connections and a gRPC call that
 never read asked for 64 MiB of replies and held the whole 64 MiB limit, so
 another job's next chunk was refused with RESOURCE_EXHAUSTED at once, and
 each further stream added 16 MiB more. Now a job's receive buffers and
-unsent replies come to half the limit at most (reducerd.limits.
+unsent replies come to half the limit at most (reducerd.core.limits.
 JOB_TRANSPORT_SHARE): every stream of that job waits for its share to come
 free, a new stream of it is refused while it holds its share
 (RESOURCE_EXHAUSTED before any reply, which clients retry), and the other

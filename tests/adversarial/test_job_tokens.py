@@ -29,7 +29,7 @@ from probes import (
 )
 from reducer_wire.framing import HELLO, MAGIC, SHARD, frame_header
 
-from reducerd.access import job_token
+from reducerd.service.access import job_token
 
 DAEMON_TOKEN = "daemon-secret-for-the-adversarial-suite"
 

@@ -4,7 +4,7 @@ The data plane took 4096 authenticated connections and gRPC any number of
 Reduce calls, whoever opened them: one tenant with a job token could hold
 every connection and thousands of calls (a thread, buffers and a Stream
 each) and leave the other jobs none. Now each plane counts its streams
-(reducerd.limits.StreamCount): at most MAX_CONNECTIONS data connections and
+(reducerd.core.limits.StreamCount): at most MAX_CONNECTIONS data connections and
 MAX_REDUCE_CALLS Reduce calls in all, half of each per job of a job token,
 the rest refused with RESOURCE_EXHAUSTED naming the share. The caps are
 patched to 4 here (the real ones are 4096); the same code counts at either.
@@ -27,11 +27,11 @@ from probes import (
     wait_until,
 )
 
-from reducerd.access import job_token
+from reducerd.service.access import job_token
 
 CAP = 4
 DAEMON_TOKEN = "stream-share-daemon-token"
-_SMALL_CAPS = (f"import reducerd.dataplane as d, reducerd.grpc_service as g; "
+_SMALL_CAPS = (f"import reducerd.dataplane.plane as d, reducerd.daemon.grpc_service as g; "
                f"d.MAX_CONNECTIONS = {CAP}; g.MAX_REDUCE_CALLS = {CAP}")
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 

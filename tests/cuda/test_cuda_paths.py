@@ -202,7 +202,7 @@ def cuda_worker(rank: int, world_size: int, addresses: list[str], init_file: str
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from reducerd.local import running_daemons
+    from reducerd.ops.local import running_daemons
 
     tmp = tmp_path_factory.mktemp("cuda")
     with running_daemons(2, log_dir=tmp, round_timeout=60) as daemons:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from reducerd.local import DaemonProcess, Daemons, running_daemons, start_daemon
+from reducerd.ops.local import DaemonProcess, Daemons, running_daemons, start_daemon
 
 # A daemon under RLIMIT_AS: a memory regression fails with MemoryError instead
 # of taking the machine down.

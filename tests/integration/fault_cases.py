@@ -86,7 +86,8 @@ def outlive_daemon_worker(rank: int, world_size: int, addresses: list[str],
 # metrics observer) or "contribute" (the reduction table); other jobs work.
 FAULTY_DAEMON = """
 import sys
-from reducerd import metrics, reduction
+from reducerd.core import reduction
+from reducerd.ops import metrics
 from reducerd.__main__ import main
 
 FAULT = sys.argv.pop(1)

@@ -6,7 +6,7 @@ lands back on the loop later, between any two messages the loop takes.
 Contract section 2 leaves that time open (replies may come in any order), so
 one stream has a set of allowed answers, one per interleaving of landings
 with the messages read. PooledModel plays the daemon's rules for one stream
-(reducerd.reduction, chunk_sums, session) with the landing as an explicit
+(reducerd.core.reduction, chunk_sums, session) with the landing as an explicit
 step, and `pooled_outcomes` walks every interleaving:
 
 - a chunk complete but not landed is open: a contribution resent to it is
@@ -147,7 +147,7 @@ class PooledModel:
             batch.append(self._error(cid, chunk.first, DEADLINE))
         self._batch(batch)
 
-    # -- the table (reducerd.reduction with chunk_sums) ----------------------
+    # -- the table (reducerd.core.reduction with chunk_sums) ----------------------
 
     def _contribute(self, cid: tuple, s: pb.Shard) -> list:
         numel = numel_of(s)
@@ -190,7 +190,7 @@ class PooledModel:
     def _error(cid: tuple, ref: pb.Shard, code: grpc.StatusCode) -> tuple:
         return cid, code, error_reply(cid, ref, code)
 
-    # -- the session (reducerd.session: deliver, then end what waits for nothing) --
+    # -- the session (reducerd.service.session: deliver, then end what waits for nothing) --
 
     def _batch(self, batch: list[tuple]) -> None:
         if not batch:
@@ -267,7 +267,7 @@ def pooled_outcomes(events: list[Event], inband: bool) -> list[Outcome]:
 # stream's next message, so the race fuzz_pooled models would hardly be run.
 DELAYED_SUMS = """
 import random, sys, threading, time
-from reducerd import chunk_sums
+from reducerd.core import chunk_sums
 from reducerd.__main__ import main
 
 

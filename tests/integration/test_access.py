@@ -79,7 +79,7 @@ def test_status_over_tls_and_mutual_tls_uses_the_shared_helper(tmp_path, pki, ca
     """`reducerd status` builds its channel with reducer_wire.tls, as the client
     does: it reads a TLS daemon, presents a client certificate under mutual
     TLS, and refuses a certificate without its key before connecting."""
-    from reducerd import status
+    from reducerd.daemon import status
 
     key, cert = pki["server"]
     client_key, client_cert = pki["client"]
@@ -128,8 +128,8 @@ def test_job_token_command_prints_the_hmac_of_the_job_under_the_daemon_token(tmp
 
 @pytest.mark.parametrize("data_plane", ["tcp", "grpc"])
 def test_clients_and_status_take_a_job_token_like_any_token(tmp_path, capsys, data_plane):
-    from reducerd import status
-    from reducerd.access import job_token
+    from reducerd.daemon import status
+    from reducerd.service.access import job_token
 
     token_file = tmp_path / "token"
     token_file.write_text("daemon-token")
@@ -214,7 +214,7 @@ def test_a_certificate_refusal_is_named_within_two_seconds(tmp_path, pki, case):
 
 
 def test_status_names_a_missing_client_certificate(tmp_path, pki, capsys):
-    from reducerd import status
+    from reducerd.daemon import status
 
     key, cert = pki["server"]
     d = start_daemon("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"],

@@ -258,7 +258,8 @@ def test_sigterm_right_after_listening_drains_not_kills(tmp_path):
     prelude widens whatever gap follows start() to 0.5 s."""
     from support import start_daemon
 
-    prelude = ("import asyncio, sys; from reducerd import server; start = server.Daemon.start\n"
+    prelude = ("import asyncio, sys; from reducerd.daemon import server\n"
+               "start = server.Daemon.start\n"
                "async def slow(self):\n    await start(self)\n    await asyncio.sleep(0.5)\n"
                "server.Daemon.start = slow\n"
                "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")

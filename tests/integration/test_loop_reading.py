@@ -1,4 +1,4 @@
-"""Plain-TCP frames read on the daemon's event loop (reducerd.dataread), against a real daemon.
+"""Plain-TCP frames read on the daemon's event loop (reducerd.dataplane.loop_reader), live.
 
 Past its handshake a plain-TCP connection holds no thread of the daemon's; a
 payload waits in the kernel until it is whole, so stalled payloads hold
@@ -22,8 +22,8 @@ from reducer_wire.framing import SHARD
 from support import limited_daemon, start_daemon
 
 from reducerd.bench.procs import proc_status
-from reducerd.dataread import BACKLOG_FRAMES
-from reducerd.recvside import WHOLE_MAX
+from reducerd.dataplane.base import BACKLOG_FRAMES
+from reducerd.dataplane.recvside import WHOLE_MAX
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ import tomllib
 import pytest
 from conftest import DEPLOY
 
-from reducerd.config import _FLAGS, Config, ConfigError, add_arguments, config_from_args
+from reducerd.ops.config import _FLAGS, Config, ConfigError, add_arguments, config_from_args
 
 EXAMPLE = DEPLOY / "reducerd.toml.example"
 
@@ -145,7 +145,7 @@ def test_listen_defaults_to_loopback_port_7070(tmp_path):
     127.0.0.1:7070, shown by --print-config; a real start binds what it is given."""
     from support import start_daemon
 
-    from reducerd.config import DEFAULT_LISTEN
+    from reducerd.ops.config import DEFAULT_LISTEN
 
     assert Config().listen == DEFAULT_LISTEN == "127.0.0.1:7070"
     config = parse()

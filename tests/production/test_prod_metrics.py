@@ -19,8 +19,8 @@ from reducer_client import ReducerClient
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from support import start_daemon
 
-from reducerd.metrics import OTHER_JOB, BootTimeProcessCollector, Metrics
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.ops.metrics import OTHER_JOB, BootTimeProcessCollector, Metrics
 
 F16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_FLOAT32
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import RawStream, shard
 from support import start_daemon
 
-from reducerd import status
+from reducerd.daemon import status
 
 TOKEN = "s3cret"
 

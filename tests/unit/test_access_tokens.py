@@ -1,8 +1,8 @@
-"""reducerd.access: job tokens derived from the daemon token, and what each grants."""
+"""reducerd.service.access: job tokens derived from the daemon token, and what each grants."""
 
 import pytest
 
-from reducerd.access import EVERY_JOB, Access, Grant, bearer_token, job_token, token_job
+from reducerd.service.access import EVERY_JOB, Access, Grant, bearer_token, job_token, token_job
 
 
 def test_a_job_token_names_its_job_and_grants_it_alone():

@@ -1,4 +1,4 @@
-"""reducerd.busy: the summing threads take new chunks only while the daemon is busy.
+"""reducerd.ops.busy: the summing threads take new chunks only while the daemon is busy.
 
 BusyGate with fake clocks (threshold, hysteresis, 0 = always, a clock that
 stands still); the table's pool honouring `busy` (a chunk above the pool
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from test_summing import loop_and_pool, parse, part  # noqa: F401 (loop_and_pool: the fixture)
 
-from reducerd.busy import OFF_FRACTION, BusyGate
-from reducerd.chunks import ChunkId
-from reducerd.config import ConfigError
-from reducerd.reduction import ReductionTable
+from reducerd.core.chunks import ChunkId
+from reducerd.core.reduction import ReductionTable
+from reducerd.ops.busy import OFF_FRACTION, BusyGate
+from reducerd.ops.config import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,8 +105,8 @@ def test_the_daemon_samples_its_cpu_into_the_pool():
     and opens it once the process burns more than the threshold."""
     import asyncio
 
-    from reducerd.config import Config
-    from reducerd.server import Daemon
+    from reducerd.daemon.server import Daemon
+    from reducerd.ops.config import Config
 
     async def main() -> list[bool]:
         daemon = Daemon(Config(listen="127.0.0.1:0", threads=2, pool_busy_cores=0.5,

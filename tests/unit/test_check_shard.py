@@ -8,7 +8,7 @@ import pytest
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import ShardView, decode_shard
 
-from reducerd.session import MAX_OFFSET, check_shard
+from reducerd.service.session import MAX_OFFSET, check_shard
 
 F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32
 

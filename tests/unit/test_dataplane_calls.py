@@ -1,5 +1,5 @@
 """DataPlane.call: what the connections' threads hand the event loop, run in order,
-one wake-up of the loop for all that queued meanwhile (reducerd.dataplane)."""
+one wake-up of the loop for all that queued meanwhile (reducerd.dataplane.plane)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from reducerd.dataplane import DataPlane
-from reducerd.limits import MemoryBudget
+from reducerd.core.limits import MemoryBudget
+from reducerd.dataplane.plane import DataPlane
 
 pytestmark = pytest.mark.timeout(30)
 

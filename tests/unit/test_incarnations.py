@@ -4,7 +4,7 @@ Scenario (contract section 2, **new**): the ranks of a job restart under
 the same job id as new client instances (new ids) and count their rounds
 from 0 again, while the table still holds the earlier incarnation's cached
 results and the rounds its dead workers left open. The rules are those of
-reducerd.incarnations; sums are of small integers, exact in every wire
+reducerd.core.incarnations; sums are of small integers, exact in every wire
 dtype used here, so they are compared exactly.
 """
 
@@ -18,10 +18,10 @@ import pytest
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.incarnations import JobIncarnations, Restart
-from reducerd.reduction import JOB_FORGET_AFTER_S, ChunkId, Contribution, ReductionTable
-from reducerd.summing import SummingPool
-from reducerd.summing_c import CSummingPool, _sumpool
+from reducerd.core.incarnations import JobIncarnations, Restart
+from reducerd.core.reduction import JOB_FORGET_AFTER_S, ChunkId, Contribution, ReductionTable
+from reducerd.core.summing import SummingPool
+from reducerd.core.summing_c import CSummingPool, _sumpool
 
 F32, SUM = pb.DTYPE_FLOAT32, pb.REDUCE_OP_SUM
 OLD = (101, 102, 103)  # ids of the first incarnation's ranks 0, 1, 2

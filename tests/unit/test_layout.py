@@ -256,8 +256,8 @@ def test_daemon_refuses_a_job_whose_clients_cut_by_different_rules():
     from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
     from reducer_wire.layout import layout_fingerprint
 
-    from reducerd.chunks import ChunkId, Contribution
-    from reducerd.reduction import ReductionTable
+    from reducerd.core.chunks import ChunkId, Contribution
+    from reducerd.core.reduction import ReductionTable
 
     old = int.from_bytes(hashlib.blake2b(b"reducer-layout/v1 2 0 1048576",
                                          digest_size=8).digest(), "little") or 1

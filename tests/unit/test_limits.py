@@ -1,4 +1,4 @@
-"""reducerd.limits and the table's bookkeeping: costs follow what arrived, not what
+"""reducerd.core.limits and the table's bookkeeping: costs follow what arrived, not what
 a shard declares; the memory budget; the expiry task outlives its faults.
 
 Scenarios: missing ranks of a 2^32-1 world listed in microseconds and capped;
@@ -23,11 +23,16 @@ import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import decode_shard
 
-from reducerd.config import Config
-from reducerd.limits import MISSING_LISTED_AT_MOST, MemoryBudget, describe_missing, missing_ranks
-from reducerd.outbox import AsyncOutbox
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.session import check_shard
+from reducerd.core.limits import (
+    MISSING_LISTED_AT_MOST,
+    MemoryBudget,
+    describe_missing,
+    missing_ranks,
+)
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.dataplane.outbox import AsyncOutbox
+from reducerd.ops.config import Config
+from reducerd.service.session import check_shard
 
 HUGE = (1 << 32) - 1
 
@@ -168,7 +173,7 @@ def test_an_outbox_counts_its_replies_against_its_job():
     outbox.discard()
     assert budget.job_transport_bytes("greedy") == 0 and budget.transport_bytes == 0
     # A job token's stream counts against its job from the start; another, its first shard's.
-    from reducerd.session import Stream
+    from reducerd.service.session import Stream
 
     bound = Stream("peer", True, outbox=AsyncOutbox(budget), job="tokened")
     assert bound.tenant == "tokened" and bound.outbox.job == "tokened"
@@ -179,7 +184,7 @@ def test_an_outbox_counts_its_replies_against_its_job():
 
 
 def test_the_expiry_loop_outlives_a_memory_error(caplog):
-    from reducerd.server import Daemon
+    from reducerd.daemon.server import Daemon
 
     daemon = Daemon(Config(round_timeout_s=0.5))  # ticks every 50 ms
     calls = []
@@ -208,8 +213,8 @@ resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.bench.procs import proc_status
-from reducerd.limits import FAILURES_KEPT
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.limits import FAILURES_KEPT
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
 
 table = ReductionTable(60.0, 1 << 30, max_open_chunks_per_job=1)
 one = np.ones(1, np.float16).tobytes()
@@ -245,7 +250,7 @@ def test_refused_shards_leave_a_bounded_record_measured_in_vmrss():
 def test_the_newest_failures_are_kept_and_a_late_contributor_hears_them():
     """Past FAILURES_KEPT the oldest record goes: a late rank of a chunk failed
     long ago opens it afresh; of the newest, it hears the failure at once."""
-    from reducerd.limits import FAILURES_KEPT
+    from reducerd.core.limits import FAILURES_KEPT
 
     table = ReductionTable(60.0, 1 << 30, max_open_chunks_per_job=1)
     one = np.ones(1, np.float16).tobytes()
@@ -266,7 +271,7 @@ def test_the_newest_failures_are_kept_and_a_late_contributor_hears_them():
 
 
 def test_stream_count_caps_all_streams_and_each_jobs_share():
-    from reducerd.limits import StreamCount
+    from reducerd.core.limits import StreamCount
 
     count = StreamCount(5, "calls")  # 2 per job token
     assert count.job_cap == 2
@@ -290,8 +295,8 @@ resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.bench.procs import proc_status
-from reducerd.limits import JOBS_KEPT
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.limits import JOBS_KEPT
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
 
 table = ReductionTable(60.0, 16 << 20)  # results kept for resends: 8 MiB at most
 one = np.ones(1, np.float16).tobytes()
@@ -323,7 +328,7 @@ def test_a_new_job_in_every_shard_leaves_a_bounded_record_measured_in_vmrss():
 
 
 def test_past_the_jobs_kept_the_idle_go_first_and_open_ones_stay(monkeypatch):
-    import reducerd.reduction as reduction
+    import reducerd.core.reduction as reduction
 
     monkeypatch.setattr(reduction, "JOBS_KEPT", 4)
     table = ReductionTable(60.0, 1 << 30)

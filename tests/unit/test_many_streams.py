@@ -21,11 +21,11 @@ import pytest
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import decode_shard
 
-from reducerd import chunk_sums
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.replies import Reply
-from reducerd.session import END, Session, Stream, decode_request
-from reducerd.summing import SummingPool
+from reducerd.core import chunk_sums
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.replies import Reply
+from reducerd.core.summing import SummingPool
+from reducerd.service.session import END, Session, Stream, decode_request
 
 pytestmark = pytest.mark.timeout(120)
 

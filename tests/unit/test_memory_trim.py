@@ -1,5 +1,5 @@
 """The daemon gives its heaps' free memory back when idle or at a memory limit
-(reducerd.memory.HeapTrimmer, the server's trim loop), measured in VmRSS."""
+(reducerd.ops.memory.HeapTrimmer, the server's trim loop), measured in VmRSS."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.limits import MemoryBudget
-from reducerd.memory import IDLE_CALLS, HeapTrimmer
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.limits import MemoryBudget
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.ops.memory import IDLE_CALLS, HeapTrimmer
 
 
 def test_trimming_is_due_at_a_limit_and_once_when_idle_never_in_steady_traffic():
@@ -50,7 +50,7 @@ _TRIM_RSS_SCRIPT = """
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 from reducerd.bench.procs import proc_status
-from reducerd.memory import HeapTrimmer, tune_malloc
+from reducerd.ops.memory import HeapTrimmer, tune_malloc
 assert tune_malloc()  # as the daemon runs: blocks up to 64 MiB stay in the heap
 rss = lambda: proc_status(os.getpid())["VmRSS"]
 start = rss()

@@ -1,14 +1,14 @@
-"""reducerd.outbox: unsent replies counted per stream and in the daemon's memory budget."""
+"""reducerd.dataplane.outbox: unsent replies counted per stream and in the memory budget."""
 
 import asyncio
 import socket
 import threading
 import time
 
-from reducerd.limits import MemoryBudget
-from reducerd.outbox import AsyncOutbox, ThreadOutbox, reply_nbytes
-from reducerd.replies import Reply, error_reply
-from reducerd.session import END
+from reducerd.core.limits import MemoryBudget
+from reducerd.core.replies import Reply, error_reply
+from reducerd.dataplane.outbox import AsyncOutbox, ThreadOutbox, reply_nbytes
+from reducerd.service.session import END
 
 
 def test_reply_nbytes_counts_messages_and_frames_only():

@@ -1,4 +1,4 @@
-"""PayloadSlots (reducerd.dataplane): the plane's receive slots for payloads the loop reads."""
+"""PayloadSlots (reducerd.dataplane.base): the plane's receive slots for payloads the loop reads."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from reducerd.dataplane import PayloadSlots
+from reducerd.dataplane.base import PayloadSlots
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,9 +19,9 @@ from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from test_send_order import _HeldTransport, _send  # the held transport, shared
 
-from reducerd.outbox import AsyncOutbox, ThreadOutbox
-from reducerd.reduction import ReductionTable
-from reducerd.session import END, Session, Stream, decode_request
+from reducerd.core.reduction import ReductionTable
+from reducerd.dataplane.outbox import AsyncOutbox, ThreadOutbox
+from reducerd.service.session import END, Session, Stream, decode_request
 
 pytestmark = pytest.mark.timeout(60)
 F16 = pb.DTYPE_FLOAT16

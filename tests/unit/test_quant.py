@@ -559,11 +559,11 @@ def test_c_quant_kernels_are_built_and_current_where_a_compiler_is():
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("op", [pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN])
 def test_daemon_table_reduces_8bit_contributions_as_the_kernels_do(name, op):
-    """reducerd.reduction decodes, adds in float32, divides (MEAN) and encodes
+    """reducerd.core.reduction decodes, adds in float32, divides (MEAN) and encodes
     once: the same bytes as the kernels' reduction above."""
     from reducer_wire import convert
 
-    from reducerd.reduction import ChunkId, Contribution, ReductionTable
+    from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
 
     dtype = dtypes.WIRE_DTYPES[name]
     numel, world = 3 * B + 5, 5
@@ -588,7 +588,7 @@ def test_daemon_table_reduces_8bit_contributions_as_the_kernels_do(name, op):
 def test_daemon_refuses_int8_lengths_no_chunk_has():
     from reducer_wire.codec import ShardView
 
-    from reducerd.session import check_shard
+    from reducerd.service.session import check_shard
 
     def shard(nbytes, dtype=pb.DTYPE_INT8_BLOCK128):
         return ShardView(job="j", key="k", world_size=2, dtype=dtype,

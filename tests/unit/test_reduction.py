@@ -5,8 +5,8 @@ import pytest
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.results import ENTRY_BYTES
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.results import ENTRY_BYTES
 
 F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32
 SUM, MEAN = pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN
@@ -134,7 +134,7 @@ def test_contribution_resent_after_completion_gets_the_cached_result():
     table.contribute(CID, part(1, [2.0]), "r1")
     (repeat,) = table.contribute(CID, part(1, [2.0]), "r1-reconnected")
     assert decode(repeat, 1).tolist() == [3.0] and repeat.sinks == ("r1-reconnected",)
-    entry = len(CID.job) + len(CID.key) + ENTRY_BYTES  # beside the reply (reducerd.results)
+    entry = len(CID.job) + len(CID.key) + ENTRY_BYTES  # beside the reply (reducerd.core.results)
     assert table.open_chunk_count == 0 and table.cached_bytes == repeat.reply.held_bytes + entry
     # The next round of the chunk completing drops the older result.
     nxt = ChunkId("job", "k", 1, 0)

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from reducerd.chunks import CachedResult, ChunkId
-from reducerd.results import ENTRY_BYTES, JOB_CACHE_SHARE, ResultCache
+from reducerd.core.chunks import CachedResult, ChunkId
+from reducerd.core.results import ENTRY_BYTES, JOB_CACHE_SHARE, ResultCache
 
 NAMES = 7
 
@@ -62,7 +62,7 @@ resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.bench.procs import proc_status
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
 
 table = ReductionTable(60.0, 64 << 20)  # results kept: 32 MiB, one job's 16 MiB
 one = np.ones(1, np.float16).tobytes()

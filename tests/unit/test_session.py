@@ -22,10 +22,10 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import decode_shard
 from reducer_wire.framing import SHARD, frame_header
 
-from reducerd import session as session_module
-from reducerd.reduction import ReductionTable
-from reducerd.replies import result_reply
-from reducerd.session import END, Session, Stream, decode_request
+from reducerd.core.reduction import ReductionTable
+from reducerd.core.replies import result_reply
+from reducerd.service import session as session_module
+from reducerd.service.session import END, Session, Stream, decode_request
 
 F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32
 
@@ -257,10 +257,10 @@ def test_op_and_dtype_names_have_one_home():
 
     import reducerd
 
-    for module in pkgutil.iter_modules(reducerd.__path__):
-        if module.name in ("__main__", "bench"):
+    for module in pkgutil.walk_packages(reducerd.__path__, "reducerd."):
+        if module.name == "reducerd.__main__" or module.name.startswith("reducerd.bench"):
             continue
-        imported = importlib.import_module(f"reducerd.{module.name}")
+        imported = importlib.import_module(module.name)
         for name in ("DTYPE_NAMES", "OP_NAMES"):
             if hasattr(imported, name):  # a copy of its own would not be the same object
                 assert getattr(imported, name) is getattr(dtypes, name), (module.name, name)
@@ -271,7 +271,7 @@ def test_the_grpc_reader_blames_itself_when_grpc_fails_it(caplog):
     decode to a DecodeError) ends the call with INTERNAL, logged with its traceback."""
     import asyncio
 
-    from reducerd.grpc_service import ReducerServicer
+    from reducerd.daemon.grpc_service import ReducerServicer
 
     async def requests():
         yield message(0, [1.0], world_size=1)
@@ -289,7 +289,7 @@ def test_the_grpc_reader_blames_itself_when_grpc_fails_it(caplog):
 def test_a_status_fault_is_internal(caplog, monkeypatch):
     import asyncio
 
-    from reducerd.grpc_service import ReducerServicer
+    from reducerd.daemon.grpc_service import ReducerServicer
 
     class Aborted(Exception):
         pass

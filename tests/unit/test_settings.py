@@ -6,7 +6,7 @@ import json
 import pytest
 from reducer_client.env import settings_from_env
 
-from reducerd.config import ConfigError, add_arguments, config_from_args
+from reducerd.ops.config import ConfigError, add_arguments, config_from_args
 
 
 def parse(*argv):

@@ -104,12 +104,13 @@ def test_core_and_daemon_import_no_framework_and_no_each_other():
     code = ("import sys, reducer_client, reducer_client.client, reducer_client.testing; "
             "client = sorted(m for m in ('torch', 'tensorflow', 'mxnet', 'keras', 'reducerd') "
             "if m in sys.modules); "
-            "import reducerd.server, reducerd.status, reducerd.__main__; "
+            "import reducerd.daemon.server, reducerd.daemon.status, reducerd.__main__; "
             "print(client, 'reducer_client.torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     assert out.strip() == "[] False"
-    code = ("import sys, reducerd.server, reducerd.status, reducerd.metrics, reducerd.__main__; "
+    code = ("import sys, reducerd.daemon.server, reducerd.daemon.status, reducerd.ops.metrics, "
+            "reducerd.__main__; "
             "print(sorted(m for m in sys.modules if m.startswith('reducer_client')))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
@@ -135,17 +136,17 @@ def test_c_kernels_are_built_and_current_where_a_compiler_is():
 
 
 def test_the_daemons_c_summing_pool_is_built_and_current_where_a_compiler_is():
-    """reducerd._sumpool is optional too (the Python SummingPool stands in), so
+    """reducerd.core._sumpool is optional too (the Python SummingPool stands in), so
     a failed or stale build would pass every test on the slower pool: fail here."""
     import shutil
 
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler: the Python summing pool is used")
-    from reducerd.summing_c import CSummingPool, _sumpool, summing_pool
-    assert _sumpool is not None, "reducerd._sumpool is missing: run `make build`"
+    from reducerd.core.summing_c import CSummingPool, _sumpool, summing_pool
+    assert _sumpool is not None, "reducerd.core._sumpool is missing: run `make build`"
     assert isinstance(summing_pool(2), CSummingPool)
     built = Path(_sumpool.__file__)
     if built.is_relative_to(ROOT):
-        for source in sorted(DAEMON.glob("_sumpool*.[ch]")):
+        for source in sorted((DAEMON / "core").glob("_sumpool*.[ch]")):
             assert built.stat().st_mtime >= source.stat().st_mtime, (
                 f"{built.name} is older than {source.name}: run `make build`")

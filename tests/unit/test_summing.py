@@ -1,7 +1,7 @@
 """The summing pool (--threads N): partitions, FIFO order, bounds, faults, shutdown, option.
 
-The pool alone first (reducerd.summing), then the reduction table on it
-(reducerd.chunk_sums): the same sums as the inline path, bit for bit; a
+The pool alone first (reducerd.core.summing), then the reduction table on it
+(reducerd.core.chunk_sums): the same sums as the inline path, bit for bit; a
 fault in a summing thread fails the chunk with INTERNAL; a chunk that times
 out or is failed at shutdown while its adds are still queued keeps its
 accumulator (and its room in the memory budget) until they have run.
@@ -25,11 +25,11 @@ import pytest
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd import chunk_sums
-from reducerd.config import ConfigError, add_arguments, config_from_args
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.summing import PoolClosed, SummingPool
-from reducerd.summing_c import CSummingPool, _sumpool
+from reducerd.core import chunk_sums
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.summing import PoolClosed, SummingPool
+from reducerd.core.summing_c import CSummingPool, _sumpool
+from reducerd.ops.config import ConfigError, add_arguments, config_from_args
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +59,7 @@ class Loop:
 
 
 POOLS = {"python": SummingPool, "c": CSummingPool}
-NEEDS_C = pytest.mark.skipif(_sumpool is None, reason="reducerd._sumpool not built")
+NEEDS_C = pytest.mark.skipif(_sumpool is None, reason="reducerd.core._sumpool not built")
 
 
 def pools_of(kind: str):
@@ -431,9 +431,9 @@ import os
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducerd.bench.procs import proc_status
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.summing import SummingPool
-from reducerd.summing_c import CSummingPool
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.summing import SummingPool
+from reducerd.core.summing_c import CSummingPool
 
 def rss():
     return proc_status(os.getpid())["VmRSS"]

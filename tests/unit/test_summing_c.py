@@ -1,4 +1,4 @@
-"""The summing pool's C threads (reducerd/_sumpool.c, reducerd.summing_c).
+"""The summing pool's C threads (reducerd/core/_sumpool.c, reducerd.core.summing_c).
 
 What the C tasks add to test_summing.py (which runs every pool test on both
 pools): every wire dtype summed in C gives the inline table's bytes, special
@@ -20,11 +20,11 @@ import pytest
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.reduction import ChunkId, Contribution, ReductionTable
-from reducerd.summing_c import ADD, COPY, CSummingPool, _sumpool
+from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.summing_c import ADD, COPY, CSummingPool, _sumpool
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(_sumpool is None, reason="reducerd._sumpool not built")]
+              pytest.mark.skipif(_sumpool is None, reason="reducerd.core._sumpool not built")]
 
 SUM, MEAN = pb.REDUCE_OP_SUM, pb.REDUCE_OP_MEAN
 WAIT_S = 10.0
@@ -263,8 +263,8 @@ def test_room_freed_by_finished_c_sums_admits_a_chunk_before_the_loop_took_it():
 
 
 def test_the_daemons_pool_is_the_c_one_and_queues_at_most_its_share_of_the_budget():
-    from reducerd.summing import QUEUED_BYTES_PER_THREAD
-    from reducerd.summing_c import summing_pool
+    from reducerd.core.summing import QUEUED_BYTES_PER_THREAD
+    from reducerd.core.summing_c import summing_pool
 
     roomy = summing_pool(2, min_chunk_bytes=4096)
     assert isinstance(roomy, CSummingPool) and roomy.min_chunk_bytes == 4096

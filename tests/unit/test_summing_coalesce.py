@@ -1,5 +1,5 @@
 """A summing thread sums a chunk's queued copy and adds, and its finish if
-it follows them, in one pass (reducerd/_sumpool_threads.c: take_adds,
+it follows them, in one pass (reducerd/core/_sumpool_threads.c: take_adds,
 run_pass).
 
 The pool's one thread is held by a Python task while the test queues two
@@ -21,16 +21,16 @@ import pytest
 from reducer_wire import convert, quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.summing_c import ADD, COPY, CSummingPool, _sumpool
+from reducerd.core.summing_c import ADD, COPY, CSummingPool, _sumpool
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(_sumpool is None, reason="reducerd._sumpool not built")]
+              pytest.mark.skipif(_sumpool is None, reason="reducerd.core._sumpool not built")]
 
 WAIT_S = 10.0
 DTYPES = [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_INT8_BLOCK128,
           pb.DTYPE_FP8_E4M3, pb.DTYPE_FP8_E5M2]
 NUMEL = 3 * 4096 + 123  # three whole pieces of a pass and a partial one (a partial int8 block)
-INT8_CODEC = 3  # the C pool's number for int8 (reducerd.summing_c._CODECS)
+INT8_CODEC = 3  # the C pool's number for int8 (reducerd.core.summing_c._CODECS)
 
 
 class HeldPool:

@@ -1,12 +1,12 @@
-"""reducerd.units: the one grammar of rates, delays and sizes that bench and plan read."""
+"""reducerd.ops.units: the one grammar of rates, delays and sizes that bench and plan read."""
 
 from __future__ import annotations
 
 import pytest
 
 from reducerd.bench import units as bench_units
+from reducerd.ops.units import parse_bytes, parse_rate, parse_time
 from reducerd.plan import units as plan_units
-from reducerd.units import parse_bytes, parse_rate, parse_time
 
 pytestmark = pytest.mark.timeout(30)
 

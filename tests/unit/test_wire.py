@@ -5,7 +5,7 @@ import pytest
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd import accumulate
+from reducerd.core import accumulate
 
 BF16 = pb.DTYPE_BFLOAT16
 

@@ -43,8 +43,8 @@ from prometheus_client.utils import floatToGoString
 from reducer_wire.dtypes import DTYPE_NAMES
 
 from reducerd import __version__
-from reducerd.config import STALLED_AFTER_S, parse_host_port
-from reducerd.reduction import Delivery, ReductionTable
+from reducerd.core.reduction import Delivery, ReductionTable
+from reducerd.ops.config import STALLED_AFTER_S, parse_host_port
 
 __all__ = ["Metrics", "JobLabels", "BootTimeProcessCollector", "OTHER_JOB", "LATENCY_BUCKETS_S"]
 
@@ -267,9 +267,9 @@ class Metrics:
                    ssl_context: ssl.SSLContext | None = None,
                    basic_auth: tuple[str, str] | None = None) -> tuple[str, int]:
         """Serve /metrics on HOST:PORT (port 0: any free one), over TLS with
-        `ssl_context`, behind basic auth with `basic_auth` (reducerd.metrics_http);
+        `ssl_context`, behind basic auth with `basic_auth` (reducerd.ops.metrics_http);
         return the bound address."""
-        from reducerd.metrics_http import MetricsServer
+        from reducerd.ops.metrics_http import MetricsServer
 
         host, port = parse_host_port(address, "metrics_listen")
         self._loop = loop

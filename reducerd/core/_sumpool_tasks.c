@@ -198,7 +198,7 @@ static PyGetSetDef acc_getset[] = {
 
 PyTypeObject SpAccType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "reducerd._sumpool.Accumulator",
+    .tp_name = "reducerd.core._sumpool.Accumulator",
     .tp_basicsize = sizeof(Acc),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A chunk's float32 accumulator (Pool.new_accumulator); a buffer while held.",

@@ -1,4 +1,4 @@
-"""The summing pool on C threads (reducerd/_sumpool.c): SummingPool's interface,
+"""The summing pool on C threads (reducerd/core/_sumpool.c): SummingPool's interface,
 and sums that never take the GIL.
 
 SummingPool's threads are Python threads: each task takes the GIL to start,
@@ -27,8 +27,8 @@ from typing import Any
 from reducer_wire import convert, quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.accumulate import WideningBuffer
-from reducerd.summing import (
+from reducerd.core.accumulate import WideningBuffer
+from reducerd.core.summing import (
     QUEUED_BYTES_PER_THREAD,
     QUEUED_SHARE_OF_BUDGET,
     SWITCH_INTERVAL_S,
@@ -39,7 +39,7 @@ from reducerd.summing import (
 )
 
 try:
-    import reducerd._sumpool as _sumpool
+    import reducerd.core._sumpool as _sumpool
 except ImportError:  # built without a C compiler: SummingPool's Python threads
     _sumpool = None  # type: ignore[assignment]
 
@@ -85,7 +85,7 @@ class CSummingPool:
         """`coalesce_at_most`: a chunk's queued copy and adds that a thread sums
         in one pass, at most (1: each alone; None: the extension's default)."""
         if _sumpool is None:
-            raise RuntimeError("reducerd._sumpool was not built (no C compiler at install)")
+            raise RuntimeError("reducerd.core._sumpool was not built (no C compiler at install)")
         self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         self.min_chunk_bytes = min_chunk_bytes
@@ -136,7 +136,7 @@ class CSummingPool:
         return dtype in _CODECS and convert.accelerated()
 
     def new_accumulator(self, numel: int) -> Any:
-        """A chunk's float32 accumulator for the C tasks (reducerd._sumpool.
+        """A chunk's float32 accumulator for the C tasks (reducerd.core._sumpool.
         Accumulator): memory the pool owns, not touched until its first task,
         which may swap in its thread's spare; given back by its finish or a
         mark. A buffer (np.frombuffer) while held and none of its tasks queued."""

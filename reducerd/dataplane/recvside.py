@@ -5,7 +5,7 @@ wakes once for a payload's rest, not for every segment that arrives.
 Setting it also grows the socket's receive buffer to hold that much, and so
 the window TCP offers the client; FIONREAD says how much the kernel holds.
 Together they let a payload wait in the kernel until it is whole, then be
-received by one call into a buffer allocated only then (reducerd.dataread).
+received by one call into a buffer allocated only then (reducerd.dataplane.loop_reader).
 """
 
 from __future__ import annotations

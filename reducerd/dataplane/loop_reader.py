@@ -1,12 +1,12 @@
 """A plain-TCP data-plane connection's frames, read on the event loop's own thread.
 
 Once a plain-TCP connection has passed its handshake (on its reader thread,
-reducerd.dataconn), the loop thread reads its frames itself: the loop's
+reducerd.dataplane.connection), the loop thread reads its frames itself: the loop's
 selector watches the socket (loop.add_reader), a frame's header and payload
 are received without blocking, and a whole shard goes to the session at
 once: no thread per connection waits for frames, and no frame crosses
 threads on its way to the table. Under TLS the connection keeps its reader
-thread (reducerd.dataconn).
+thread (reducerd.dataplane.connection).
 
 The reader thread's bounds hold, each checked before a payload is read;
 where one is not met the loop stops watching the socket (the frame stays in
@@ -20,7 +20,7 @@ the kernel and TCP slows the client) and looks again every WAIT_POLL_S:
 A payload must arrive within the frame timeout of its start (a timer, set
 only for a payload that is not all there at once). A payload of at most
 WHOLE_MAX bytes waits in the kernel until it is all there
-(reducerd.recvside): its buffer is allocated only then and filled by one
+(reducerd.dataplane.recvside): its buffer is allocated only then and filled by one
 receive, so no buffer waits in the daemon for a slow payload's bytes, and a
 stalled payload holds no receive slot. Where the kernel will not hold it all,
 or the client ends or breaks inside it, it is read in pieces into its
@@ -32,37 +32,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 from reducer_wire.framing import FRAME_HEADER_BYTES, SHARD, FrameError, TruncatedFrame, parse_header
 
-from reducerd.outbox import GONE
-from reducerd.recvside import WHOLE_MAX, ReceiveSide
-from reducerd.session import daemon_fault_message, decode_request
+from reducerd.dataplane.base import (
+    LINGER_S,
+    RESERVE_WAIT_S,
+    SKIP_BYTES,
+    UNSENT_BYTES,
+    UNSENT_FRAMES,
+    Link,
+    PayloadSlots,
+)
+from reducerd.dataplane.outbox import GONE
+from reducerd.dataplane.recvside import WHOLE_MAX, ReceiveSide
+from reducerd.service.session import daemon_fault_message, decode_request
 
-if TYPE_CHECKING:
-    from reducerd.dataconn import Connection
-    from reducerd.dataplane import PayloadSlots
-
-__all__ = ["LoopReader", "WAIT_POLL_S", "FRAMES_PER_WAKE",
-           "BACKLOG_FRAMES", "UNSENT_FRAMES", "UNSENT_BYTES", "RESERVE_WAIT_S", "LINGER_S"]
+__all__ = ["LoopReader", "WAIT_POLL_S", "FRAMES_PER_WAKE"]
 
 log = logging.getLogger("reducerd")
 
-# The bounds on reading, on the loop as on a reader thread (reducerd.dataconn).
-BACKLOG_FRAMES = 16
-UNSENT_FRAMES = 64
-UNSENT_BYTES = 16 << 20
-RESERVE_WAIT_S = 5.0
-# After the daemon's last frame, how long the client gets to close its side
-# (closing with unread input would reset the connection and lose that frame).
-LINGER_S = 5.0
+# The bounds shared with the reader threads are reducerd.dataplane.base's.
 WAIT_POLL_S = 0.02
 # Frames one connection may take per wake-up before the others get theirs.
 FRAMES_PER_WAKE = 4
-_SKIP_BYTES = 1 << 16
 
 HEADER, ADMIT, WHOLE, PAYLOAD, SKIP, DROP, DONE = range(7)
 
@@ -70,7 +65,7 @@ HEADER, ADMIT, WHOLE, PAYLOAD, SKIP, DROP, DONE = range(7)
 class LoopReader:
     """Reads one connection's frames on the loop thread (every method runs there)."""
 
-    def __init__(self, conn: Connection, slots: PayloadSlots) -> None:
+    def __init__(self, conn: Link, slots: PayloadSlots) -> None:
         self.conn = conn
         self.plane = conn.plane
         self.stream = conn.stream
@@ -355,8 +350,8 @@ class LoopReader:
 
     def _discard(self) -> bool:
         if self.scratch is None:
-            self.scratch = memoryview(bytearray(_SKIP_BYTES))
-        view = self.scratch if self.state == DROP else self.scratch[:min(self.left, _SKIP_BYTES)]
+            self.scratch = memoryview(bytearray(SKIP_BYTES))
+        view = self.scratch if self.state == DROP else self.scratch[:min(self.left, SKIP_BYTES)]
         n = self.receive.recv(view)
         if n is None:
             return False

@@ -23,12 +23,14 @@ import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT", "TRANSPORT_RESERVE_SHARE",
-           "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks", "describe_missing",
-           "job_refusal", "job_inflight_limit", "JOB_ACCUMULATOR_SHARE", "JOB_CACHE_SHARE",
-           "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
+__all__ = ["MAX_OPEN_CHUNKS_PER_JOB", "MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT",
+           "TRANSPORT_RESERVE_SHARE", "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks",
+           "describe_missing", "job_refusal", "job_inflight_limit", "JOB_ACCUMULATOR_SHARE",
+           "JOB_CACHE_SHARE", "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
            "StreamCount", "MemoryBudget", "Credit"]
 
+# Open chunks one job may hold (the default of --max-open-chunks-per-job).
+MAX_OPEN_CHUNKS_PER_JOB = 65536
 # Ranks named per chunk in a failure message and in GetStatus.
 MISSING_LISTED_AT_MOST = 64
 # Distinct world sizes remembered per job (GetStatus lists them).

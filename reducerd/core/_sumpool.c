@@ -1,4 +1,4 @@
-/* The summing pool's threads in C (reducerd.summing): no GIL to sum.
+/* The summing pool's threads in C (reducerd.core.summing): no GIL to sum.
  *
  * N worker threads, one FIFO (a partition) each. A task is either
  *   - a sum: widen or add one contribution into a chunk's float32
@@ -304,10 +304,10 @@ static PyGetSetDef pool_getset[] = {
 
 static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "reducerd._sumpool.Pool",
+    .tp_name = "reducerd.core._sumpool.Pool",
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Summing threads in C (see reducerd/_sumpool.c).",
+    .tp_doc = "Summing threads in C (see reducerd/core/_sumpool.c).",
     .tp_new = Pool_new,
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_methods = pool_methods,

@@ -13,15 +13,21 @@ in float32 once all are in, then the result is rounded once to the wire dtype.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
-from itertools import takewhile
 
 import numpy as np
 
-from reducerd import accumulate, incarnations
-from reducerd.chunk_sums import PooledSums, narrow_result
-from reducerd.chunks import (
+from reducerd.core import accumulate
+from reducerd.core.chunk_sums import PooledSums, narrow_result
+from reducerd.core.chunks import (
+    DEADLINE_EXCEEDED,
+    FAILED_PRECONDITION,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
     CachedResult,
     ChunkId,
     Contribution,
@@ -29,34 +35,36 @@ from reducerd.chunks import (
     Failure,
     JobStats,
     OpenChunk,
+    OpenChunks,
+    disagreeing_resend,
     mismatch,
 )
-from reducerd.config import MAX_OPEN_CHUNKS_PER_JOB
-from reducerd.limits import (
-    FAILURES_KEPT,
+from reducerd.core.incarnations import Restart
+from reducerd.core.limits import (
     JOBS_KEPT,
-    MISSING_LISTED_AT_MOST,
+    MAX_OPEN_CHUNKS_PER_JOB,
     WORLD_SIZES_KEPT,
     MemoryBudget,
     describe_missing,
     idle_jobs_to_forget,
     job_inflight_limit,
     job_refusal,
-    missing_ranks,
 )
-from reducerd.replies import Reply
-from reducerd.results import ResultCache
-from reducerd.summing_c import AnySummingPool
+from reducerd.core.replies import Reply
+from reducerd.core.results import FailedChunks, ResultCache
+from reducerd.core.summing_c import AnySummingPool
 
-# The records live in reducerd.chunks; these names are imported from here too.
-__all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats"]
+# The records and status code names live in reducerd.core.chunks; imported from here too.
+__all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
+           "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+           "INTERNAL", "FAILED_PRECONDITION"]
+
+log = logging.getLogger("reducerd")
 
 # A job with nothing open for this long is forgotten (its stats too).
 JOB_FORGET_AFTER_S = 3600.0
-
-# Status code names (the session maps them to grpc.StatusCode).
-INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, INTERNAL = (
-    "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
+# The longest a restart waits (loop thread) for the summing threads to free the earlier era's.
+RESTART_DRAIN_S = 2.0
 
 
 class ReductionTable:
@@ -64,16 +72,15 @@ class ReductionTable:
 
     `contribute` returns the deliveries to make now; `expire` fails chunks
     past the round timeout; `drop_sink` forgets a stream that went away.
-    A failed chunk is remembered for one round timeout, so ranks that arrive
-    after the failure get the same error instead of waiting for nothing.
 
     Costs follow what arrived, not what a shard declares: missing ranks are
     listed lazily and capped, a job's open chunks are capped in count and bytes
-    (reducerd.limits), and _open keeps the order in which chunks opened, oldest
-    first, so expiry and GetStatus stop at the first chunk young enough.
+    (reducerd.core.limits), and _open keeps the order in which chunks opened
+    (OpenChunks), so expiry and GetStatus stop at the first chunk young enough.
 
-    Completed chunks' results are kept for contributions resent after a
-    broken stream (reducerd.results), at most `max_inflight_bytes // 2` of them.
+    Completed chunks' results are kept for contributions resent after a broken
+    stream, at most `max_inflight_bytes // 2` of them, and failures for the
+    ranks that arrive after them (reducerd.core.results).
     """
 
     def __init__(self, round_timeout_s: float, max_inflight_bytes: int,
@@ -91,8 +98,8 @@ class ReductionTable:
         self.budget = budget or MemoryBudget(max_inflight_bytes)
         self.jobs: dict[str, JobStats] = {}
         self._clock = clock
-        self._open: dict[ChunkId, OpenChunk] = {}
-        self._failed: dict[ChunkId, Failure] = {}
+        self._open = OpenChunks()
+        self._failed = FailedChunks()
         self._results = ResultCache(max_inflight_bytes // 2)
         self._scratch = accumulate.WideningBuffer()
         self.accepting_new_chunks = True
@@ -123,34 +130,16 @@ class ReductionTable:
 
     def completing(self, chunks: Iterable[ChunkId]) -> bool:
         """Whether one of `chunks` has all its contributions, its result not yet out."""
-        for cid in chunks:
-            chunk = self._open.get(cid)
-            if chunk is not None and len(chunk.ranks) >= chunk.world_size:
-                return True
-        return False
+        return self._open.completing(chunks)
 
     def open_chunks(self, older_than_s: float = 0.0, at_most: int | None = None,
                     job: str = "") -> list[tuple[ChunkId, int, list[int], float]]:
-        """(chunk, world_size, missing ranks, age in seconds), oldest first: the chunks
-        (of `job`, if given) open at least `older_than_s`, at most `at_most` of
-        them, each with at most MISSING_LISTED_AT_MOST missing ranks named."""
-        now = self._clock()
-        rows: list[tuple[ChunkId, int, list[int], float]] = []
-        for cid, c in self._open.items():
-            age_s = now - c.started_s
-            if age_s < older_than_s or (at_most is not None and len(rows) >= at_most):
-                break  # opened in order: the rest are younger
-            if job and cid.job != job:
-                continue
-            listed, _ = missing_ranks(c.world_size, c.ranks, MISSING_LISTED_AT_MOST)
-            rows.append((cid, c.world_size, listed, age_s))
-        return rows
+        """(chunk, world_size, missing ranks, age in seconds), oldest first (OpenChunks.rows)."""
+        return self._open.rows(self._clock(), older_than_s, at_most, job)
 
     def stalled_count(self, older_than_s: float) -> int:
         """Open chunks at least `older_than_s` old (without listing them)."""
-        now = self._clock()  # opened in order: count up to the first younger one
-        return sum(1 for _ in takewhile(lambda c: now - c.started_s >= older_than_s,
-                                        self._open.values()))
+        return self._open.stalled_count(self._clock(), older_than_s)
 
     # -- updates -------------------------------------------------------------
 
@@ -168,9 +157,14 @@ class ReductionTable:
                                         f"{chunk.describe()}: the daemon holds open chunks of "
                                         f"{len(self.jobs)} jobs, as many as it keeps")]
             job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
-        answer = incarnations.admit(self, chunk, part, sink, job) if part.incarnation else None
-        if answer is not None:  # refused, or the job restarted (reducerd.incarnations)
-            return answer
+        if part.incarnation:  # an old client's 0 is never checked (reducerd.core.incarnations)
+            verdict = job.incarnations.check(part.rank, part.incarnation, part.world_size)
+            if isinstance(verdict, str):
+                return [self._error(chunk, part, (sink,), FAILED_PRECONDITION,
+                                    f"{chunk.describe()}: {verdict}", repeat=True)]
+            if verdict is not None:
+                return [*self._restart(chunk.job, job, verdict),
+                        *self.contribute(chunk, part, sink)]
         if len(job.world_sizes) < WORLD_SIZES_KEPT:
             job.world_sizes.add(part.world_size)
         job.bytes_in += len(part.data)
@@ -186,8 +180,11 @@ class ReductionTable:
             return [self._error(chunk, part, (sink,), failure.code, failure.message,
                                 repeat=True)]
         result = self._results.get(chunk)
-        if result is not None:
-            return [self._repeat(chunk, result, part, sink)]
+        if result is not None:  # answered from the cache, not counted
+            error = disagreeing_resend(chunk, part, sink, result.dtype, result.numel,
+                                       result.world_size)
+            return [error or Delivery(chunk, result.dtype, result.op, result.world_size,
+                                      (sink,), reply=result.reply, repeat=True)]
 
         open_chunk = self._open.get(chunk)
         if open_chunk is None:
@@ -217,19 +214,13 @@ class ReductionTable:
     def expire(self) -> list[Delivery]:
         """Fail open chunks older than the round timeout; forget old failures."""
         now = self._clock()
-        self._failed = {cid: f for cid, f in self._failed.items() if f.expires_s > now}
+        self._failed.expire(now)
         self._results.expire(now)
         for name in [name for name, job in self.jobs.items()
                      if not job.open_chunks and now - job.last_active_s > JOB_FORGET_AFTER_S]:
             del self.jobs[name]  # its counters would otherwise pile up for ever
-        late = []
-        for cid, c in self._open.items():
-            if now - c.started_s < self.round_timeout_s:
-                break  # opened in order: the rest are younger
-            if len(c.ranks) < c.world_size:  # a complete one is being summed: it lands
-                late.append(cid)
         deliveries = []
-        for cid in late:
+        for cid in self._open.late(now, self.round_timeout_s):
             chunk = self._open[cid]
             message = (f"{cid.describe()}: no contribution from rank(s) "
                        f"{describe_missing(chunk.world_size, chunk.ranks)} "
@@ -337,9 +328,7 @@ class ReductionTable:
                 sinks = (*sinks, *(sink for sink, _ in chunk.sums.resends))
             self._release(cid, chunk, job)
         job.chunks_failed += 1
-        self._failed[cid] = Failure(code, message, self._clock() + self.round_timeout_s)
-        if len(self._failed) > FAILURES_KEPT:
-            del self._failed[next(iter(self._failed))]  # the oldest
+        self._failed.put(cid, Failure(code, message, self._clock() + self.round_timeout_s))
         ref = chunk or part
         assert ref is not None
         latency_s = self._clock() - chunk.started_s if chunk is not None else 0.0
@@ -351,18 +340,6 @@ class ReductionTable:
         return Delivery(cid, part.dtype, part.op, part.world_size, sinks,
                         error_code=code, error_message=message, repeat=repeat)
 
-    def _repeat(self, cid: ChunkId, result: CachedResult, part: Contribution,
-                sink: Hashable) -> Delivery:
-        """Answer a contribution to a chunk that already completed (not counted)."""
-        if (part.dtype, part.numel, part.world_size) != (result.dtype, result.numel,
-                                                         result.world_size):
-            return self._error(cid, part, (sink,), INVALID_ARGUMENT,
-                               f"{cid.describe()}: rank {part.rank} resent a contribution "
-                               "that disagrees with the completed chunk (dtype, length "
-                               "or world_size)")
-        return Delivery(cid, result.dtype, result.op, result.world_size, (sink,),
-                        reply=result.reply, repeat=True)
-
     def _layout_mismatch(self, cid: ChunkId, part: Contribution, sink: Hashable,
                          job: JobStats) -> list[Delivery]:
         """Fail the job's open chunks: its ranks disagree on the daemon list."""
@@ -371,12 +348,33 @@ class ReductionTable:
                    "client version that cuts keys by another rule); give every worker the "
                    "same REDUCER_ADDRESSES in the same order and the same reducer_client")
         deliveries = [self._fail(open_id, INVALID_ARGUMENT, message, tuple(c.sinks))
-                      for open_id, c in list(self._open.items()) if open_id.job == cid.job]
+                      for open_id, c in self._open.of_job(cid.job)]
         if cid in self._open or cid in self._failed:
             deliveries.append(self._error(cid, part, (sink,), INVALID_ARGUMENT, message))
         else:
             deliveries.append(self._fail(cid, INVALID_ARGUMENT, message, (sink,), part))
         return deliveries
+
+    def _restart(self, name: str, job: JobStats, verdict: Restart) -> list[Delivery]:
+        """Drop what the job's earlier incarnation left: fail its open chunks,
+        forget its failures and cached results (a new era began)."""
+        message = (f"job {name!r} restarted (rank {verdict.rank}: {verdict.reason}): this round "
+                   "of the earlier incarnation is abandoned")
+        failed = [self._fail(open_id, FAILED_PRECONDITION, f"{open_id.describe()}: {message}",
+                             tuple(c.sinks))
+                  for open_id, c in self._open.of_job(name)]
+        if failed and self._pooled is not None:
+            # A failed pooled chunk's room goes back once its summing thread ran its
+            # last task (queued behind adds that now skip): let them run, so that the
+            # new era's first contribution is not refused for the old era's memory.
+            self._pooled.pool.wait_idle(RESTART_DRAIN_S)
+            self._pooled.reclaim()  # C tasks' room comes back on this (the loop) thread
+        self._failed.drop_job(name)  # the earlier incarnation's (and those just made)
+        dropped = self._results.drop_job(name)
+        log.info("job %r restarted (rank %d: %s; era %d): %d open chunk(s) failed, %d cached "
+                 "result(s) dropped", name, verdict.rank, verdict.reason, job.incarnations.era,
+                 len(failed), dropped)
+        return failed
 
     def _cache_result(self, cid: ChunkId, chunk: OpenChunk, reply: Reply) -> None:
         self._results.put(cid, CachedResult(chunk.dtype, chunk.op, chunk.world_size,

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from reducerd.busy import DEFAULT_POOL_BUSY_CORES
-from reducerd.limits import job_inflight_limit
+from reducerd.core.limits import MAX_OPEN_CHUNKS_PER_JOB, job_inflight_limit
+from reducerd.ops.busy import DEFAULT_POOL_BUSY_CORES
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
            "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB",
@@ -29,7 +29,6 @@ MiB = 1 << 20
 # Defaults that other modules use too; this is their one home.
 DEFAULT_LISTEN = "127.0.0.1:7070"  # loopback only: `reducerd` alone runs and exposes nothing
 STALLED_AFTER_S = 5.0
-MAX_OPEN_CHUNKS_PER_JOB = 65536
 DEFAULT_MAX_WORLD_SIZE = 65536
 _WORLD_SIZE_FIELD_MAX = (1 << 32) - 1  # Shard.world_size is a uint32
 MAX_THREADS = 1024
@@ -88,13 +87,13 @@ class Config:
     # any free port (GetStatus tells clients which), HOST:PORT, or "off". Under
     # TLS it is served over TLS, with the same certificate and client CA.
     data_listen: str = "auto"
-    # Summing threads (reducerd.summing); 1: the event loop's thread sums inline.
+    # Summing threads (reducerd.core.summing); 1: the event loop's thread sums inline.
     threads: int = field(default_factory=available_cpus)
     # With threads > 1: chunks of at least this many wire bytes per contribution
     # are summed on the summing threads, smaller ones inline on the loop thread
     # (a hand-off there and back costs the CPU of adding 100-200 KiB; 0: all).
     pool_chunk_bytes: int = DEFAULT_POOL_CHUNK_BYTES
-    # With threads > 1: pool new chunks only while the daemon is this busy (reducerd.busy).
+    # With threads > 1: pool new chunks only while the daemon is this busy (reducerd.ops.busy).
     pool_busy_cores: float = DEFAULT_POOL_BUSY_CORES
     # Not an option: REDUCER_WIRE_NUMPY=1 sums and converts in NumPy instead of
     # reducer_wire's C kernels (same results; for comparison and debugging).

@@ -3,7 +3,7 @@
 Thin on purpose: each Reduce call is a Stream of the Session (MAX_REDUCE_CALLS
 of them at once, half per job of a job token). A reader task
 hands every received message to Session.accept; the handler writes out what
-the Session puts into the stream's outbox (reducerd.outbox: its bytes count
+the Session puts into the stream's outbox (reducerd.dataplane.outbox: its bytes count
 against --max-inflight-bytes until gRPC took them). Back-pressure: the reader
 takes no next message while the stream has UNSENT_BYTES of replies waiting,
 its job holds its share of the memory limit or the daemon is over it, so
@@ -25,10 +25,10 @@ import grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import __version__
-from reducerd.access import EVERY_JOB, Access, Grant
-from reducerd.limits import StreamCount
-from reducerd.outbox import AsyncOutbox
-from reducerd.session import END, Session, Stream, daemon_fault_message, decode_request
+from reducerd.core.limits import StreamCount
+from reducerd.dataplane.outbox import AsyncOutbox
+from reducerd.service.access import EVERY_JOB, Access, Grant
+from reducerd.service.session import END, Session, Stream, daemon_fault_message, decode_request
 
 __all__ = ["ReducerServicer", "INBAND_METADATA"]
 

@@ -10,7 +10,7 @@ is slowed down by its own transport's flow control instead of buffered.
 A reply is counted once per stream even where streams share its buffer: an
 upper bound, and the one that a stream which never reads keeps alive. The
 bytes count against the outbox's `job` too (its stream's, set before its
-first reply): the job's share of the budget (reducerd.limits), which every
+first reply): the job's share of the budget (reducerd.core.limits), which every
 stream of that job waits for before it reads on.
 
 Priority (Shard.priority of the stream's contribution): a reply put with a
@@ -39,7 +39,7 @@ from typing import Any
 
 from reducer_wire.framing import send_at_once
 
-from reducerd.limits import MemoryBudget
+from reducerd.core.limits import MemoryBudget
 
 __all__ = ["reply_nbytes", "AsyncOutbox", "ThreadOutbox", "GONE"]
 
@@ -51,7 +51,7 @@ def reply_nbytes(item: Any) -> int:
     """The bytes an outbox item holds: a gRPC message, a data-plane Reply, else 0."""
     if isinstance(item, (bytes, bytearray, memoryview)):
         return len(item)
-    frame = getattr(item, "frame", None)  # reducerd.replies.Reply
+    frame = getattr(item, "frame", None)  # reducerd.core.replies.Reply
     return len(frame) if frame is not None else 0
 
 

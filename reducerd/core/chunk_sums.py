@@ -6,7 +6,7 @@ SummingPool; on the chunk's summing thread the tasks copy or add the wire
 data into its float32 accumulator, and the finish divides (MEAN) and narrows
 the result into its reply message, then posts it back to the table
 (ReductionTable.land_result), which caches and delivers it. On the daemon's
-CSummingPool (reducerd.summing_c) these are C tasks, on an accumulator the
+CSummingPool (reducerd.core.summing_c) these are C tasks, on an accumulator the
 pool owns (ChunkSums.acc), and what follows them (the room back, the
 landing) runs when the loop takes their done tuples; with SummingPool, or
 without the C kernels, they are the Python tasks below.
@@ -27,28 +27,32 @@ it was measured flat per contributor.
 
 Numerics are the inline path's: float32 accumulation in the order the loop
 counted the contributions, MEAN divided in float32 once, one rounding to the
-wire dtype (reducerd.reduction).
+wire dtype (reducerd.core.reduction).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd import accumulate
-from reducerd.chunks import ChunkId, Contribution, Delivery, OpenChunk
-from reducerd.replies import Reply, empty_result_reply, result_reply
-from reducerd.summing import PoolClosed
-from reducerd.summing_c import ADD, COPY, AnySummingPool, CSummingPool
+from reducerd.core import accumulate
+from reducerd.core.chunks import (
+    ChunkId,
+    Contribution,
+    Delivery,
+    OpenChunk,
+    disagreeing_resend,
+)
+from reducerd.core.limits import MemoryBudget
+from reducerd.core.replies import Reply, empty_result_reply, result_reply
+from reducerd.core.summing import PoolClosed
+from reducerd.core.summing_c import ADD, COPY, AnySummingPool, CSummingPool
 
-if TYPE_CHECKING:
-    from reducerd.reduction import ReductionTable
-
-__all__ = ["ChunkSums", "PooledSums", "narrow_result"]
+__all__ = ["ChunkSums", "PooledSums", "SummedChunks", "narrow_result"]
 
 log = logging.getLogger("reducerd")
 
@@ -91,10 +95,22 @@ class ChunkSums:
         self.resends: list[tuple[Hashable, Delivery | None]] = []
 
 
+class SummedChunks(Protocol):
+    """What the pooled sums need of the reduction table (ReductionTable is one)."""
+
+    budget: MemoryBudget
+
+    def land_result(self, cid: ChunkId, chunk: OpenChunk, reply: Reply) -> None:
+        """A summing thread finished `chunk` (called on the loop thread)."""
+
+    def summing_failed(self, cid: ChunkId, chunk: OpenChunk, message: str) -> None:
+        """A summing thread failed on `chunk` (called on the loop thread)."""
+
+
 class PooledSums:
     """The table's side of the pool: loop-thread calls queue tasks on the chunk's partition."""
 
-    def __init__(self, pool: AnySummingPool, table: ReductionTable) -> None:
+    def __init__(self, pool: AnySummingPool, table: SummedChunks) -> None:
         self.pool = pool
         self._c_pool = pool if isinstance(pool, CSummingPool) else None
         self._defer_results = False  # set while reclaim() drains inside a table call
@@ -108,7 +124,7 @@ class PooledSums:
         summing thread and back costs about as much CPU as adding 100-200 KiB
         (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline,
         and so is every chunk while the daemon uses at most about one core
-        (pool.busy: reducerd.busy)."""
+        (pool.busy: reducerd.ops.busy)."""
         return self.pool.busy and len(part.data) >= self.pool.min_chunk_bytes
 
     def c_pool_for(self, part: Contribution) -> CSummingPool | None:
@@ -151,16 +167,9 @@ class PooledSums:
     def resent(self, cid: ChunkId, chunk: OpenChunk, part: Contribution,
                sink: Hashable) -> list[Delivery]:
         """A contribution to a chunk complete and being summed: answered as a
-        completed chunk's resend (ReductionTable._repeat), after the result,
+        completed chunk's resend (ReductionTable.contribute), after the result,
         once it lands (so the stream hears both in the inline path's order)."""
-        error = None
-        if (part.dtype, part.numel, part.world_size) != (chunk.dtype, chunk.numel,
-                                                         chunk.world_size):
-            error = Delivery(cid, part.dtype, part.op, part.world_size, (sink,),
-                             error_code="INVALID_ARGUMENT", error_message=(
-                                 f"{cid.describe()}: rank {part.rank} resent a contribution "
-                                 "that disagrees with the completed chunk (dtype, length or "
-                                 "world_size)"))
+        error = disagreeing_resend(cid, part, sink, chunk.dtype, chunk.numel, chunk.world_size)
         chunk.sums.resends.append((sink, error))
         return []
 

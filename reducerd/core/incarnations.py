@@ -33,7 +33,7 @@ an era, the incarnation it serves:
 
 Bounds: one record per rank (rank < world_size <= --max-world-size), a
 count per id of the era, and at most 2 * records + 16 ids left behind, all
-dropped with the job's record (reducerd.reduction.JOB_FORGET_AFTER_S). A
+dropped with the job's record (reducerd.core.reduction.JOB_FORGET_AFTER_S). A
 contribution costs a dict lookup; a restart scans the open chunks, cached
 results and failures once, as fail_all does.
 
@@ -43,29 +43,19 @@ for a member of the incarnation it finds (its first round may meet a dead
 instance's contribution, until its partner's new id starts the new era);
 so is a new incarnation's rank that finds an era begun by an incarnation
 that died before this rank's earlier instance was replaced here.
+
+This module holds the rule (JobIncarnations.check); the reduction table
+acts on its verdict (reducerd.core.reduction).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from collections.abc import Hashable
+__all__ = ["JobIncarnations", "Restart"]
 
-    from reducerd.chunks import ChunkId, Contribution, Delivery, JobStats
-    from reducerd.reduction import ReductionTable
-
-__all__ = ["JobIncarnations", "Restart", "admit", "FAILED_PRECONDITION"]
-
-log = logging.getLogger("reducerd")
-
-FAILED_PRECONDITION = "FAILED_PRECONDITION"
 _RETIRED_SLACK = 16
-# The longest a restart waits (on the loop thread) for the summing threads to
-# drop the failed chunks of the earlier era and give their memory back.
-RESTART_DRAIN_S = 2.0
 
 
 @dataclass(slots=True)
@@ -151,42 +141,3 @@ class JobIncarnations:
         self._retired[incarnation] = rank
         while len(self._retired) > 2 * len(self._seen) + _RETIRED_SLACK:
             del self._retired[next(iter(self._retired))]
-
-
-def admit(table: ReductionTable, cid: ChunkId, part: Contribution, sink: Hashable,
-          job: JobStats) -> list[Delivery] | None:
-    """Check `part`'s incarnation (non-zero) on the table's loop thread. None:
-    count it as usual. Else the deliveries instead: its refusal, or (the job
-    restarted) the failures of what the earlier incarnation left open, then
-    what counting `part` in the new era gives.
-
-    Part of ReductionTable.contribute, kept here for its size: it uses the
-    table's own records as the table does.
-    """
-    verdict = job.incarnations.check(part.rank, part.incarnation, part.world_size)
-    if verdict is None:
-        return None
-    if isinstance(verdict, str):
-        return [table._error(cid, part, (sink,), FAILED_PRECONDITION,
-                             f"{cid.describe()}: {verdict}", repeat=True)]
-    name = cid.job
-    message = (f"job {name!r} restarted (rank {verdict.rank}: {verdict.reason}): this round "
-               "of the earlier incarnation is abandoned")
-    failed = [table._fail(open_id, FAILED_PRECONDITION, f"{open_id.describe()}: {message}",
-                          tuple(c.sinks))
-              for open_id, c in list(table._open.items()) if open_id.job == name]
-    if failed and table._pooled is not None:
-        # A failed pooled chunk's room goes back once its summing thread ran its
-        # last task (queued behind adds that now skip): let them run, so that the
-        # new era's first contribution is not refused for the old era's memory.
-        table._pooled.pool.wait_idle(RESTART_DRAIN_S)
-        table._pooled.reclaim()  # C tasks' room comes back on this (the loop) thread
-    for failed_id in [f for f in table._failed if f.job == name]:
-        del table._failed[failed_id]  # the earlier incarnation's (and those just made)
-    results = [r for r in table._results if r.job == name]
-    for result_id in results:
-        table._results.drop(result_id)
-    log.info("job %r restarted (rank %d: %s; era %d): %d open chunk(s) failed, %d cached "
-             "result(s) dropped", name, verdict.rank, verdict.reason, job.incarnations.era,
-             len(failed), len(results))
-    return [*failed, *table.contribute(cid, part, sink)]

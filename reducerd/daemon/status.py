@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from reducerd.access import token_job
+from reducerd.service.access import token_job
 
 __all__ = ["main", "top_main", "fetch_status", "reply_to_dict", "render"]
 

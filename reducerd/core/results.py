@@ -1,4 +1,4 @@
-"""The completed chunks' results, kept for contributions resent after a broken stream.
+"""What the table keeps of chunks that ended: results for resends, failures for latecomers.
 
 A result is kept until the next round of the same chunk completes (or one
 round timeout passes, or the cache needs room: the oldest goes first), so a
@@ -7,6 +7,10 @@ opening the round anew. One job's results take at most 1/JOB_CACHE_SHARE of
 the cache (beyond, its own oldest go): a job that completes chunk after
 chunk of new keys cannot push the other jobs' results out. Every method runs
 on the event loop's thread.
+
+A failed chunk is remembered for one round timeout (FailedChunks), so ranks
+that arrive after the failure get the same error instead of waiting for
+nothing; at most FAILURES_KEPT of them, the oldest forgotten first.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from reducerd.chunks import CachedResult, ChunkId
-from reducerd.limits import JOB_CACHE_SHARE
+from reducerd.core.chunks import CachedResult, ChunkId, Failure
+from reducerd.core.limits import FAILURES_KEPT, JOB_CACHE_SHARE
 
-__all__ = ["ResultCache", "JOB_CACHE_SHARE", "ENTRY_BYTES"]
+__all__ = ["ResultCache", "FailedChunks", "JOB_CACHE_SHARE", "ENTRY_BYTES"]
 
 # Beside its reply, what an entry holds: its records here and in the table
 # (the ChunkId, CachedResult, Reply, three dict entries), measured at about
@@ -100,6 +104,14 @@ class ResultCache:
             if self._latest_round.get(slot) == cid.round:
                 del self._latest_round[slot]
 
+    def drop_job(self, name: str) -> int:
+        """Drop the job's results; how many there were."""
+        own = self._jobs.get(name)
+        ids = list(own.ids) if own is not None else []
+        for cid in ids:
+            self.drop(cid)
+        return len(ids)
+
     def expire(self, now: float) -> None:
         """Drop the results kept past their expiry (table clock)."""
         for cid in [cid for cid, r in self._results.items() if r.expires_s <= now]:
@@ -108,3 +120,32 @@ class ResultCache:
     def clear(self) -> None:
         for cid in list(self._results):
             self.drop(cid)
+
+
+class FailedChunks:
+    """The failures of recent chunks, oldest first, at most FAILURES_KEPT."""
+
+    def __init__(self) -> None:
+        self._failures: dict[ChunkId, Failure] = {}
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self._failures
+
+    def __len__(self) -> int:
+        return len(self._failures)
+
+    def get(self, cid: ChunkId) -> Failure | None:
+        return self._failures.get(cid)
+
+    def put(self, cid: ChunkId, failure: Failure) -> None:
+        self._failures[cid] = failure
+        if len(self._failures) > FAILURES_KEPT:
+            del self._failures[next(iter(self._failures))]  # the oldest
+
+    def expire(self, now: float) -> None:
+        """Forget the failures past their expiry (table clock)."""
+        self._failures = {cid: f for cid, f in self._failures.items() if f.expires_s > now}
+
+    def drop_job(self, name: str) -> None:
+        for cid in [cid for cid in self._failures if cid.job == name]:
+            del self._failures[cid]

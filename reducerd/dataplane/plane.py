@@ -4,18 +4,18 @@ Each connection is a Stream of the Session, like a Reduce call: the shards
 go through the same checks and table, replies and in-band errors are the same
 messages. Only the I/O differs: each connection's handshake runs on a thread
 of its own; then the event loop thread, which alone touches the table, reads
-a plain-TCP connection's frames itself (reducerd.dataread: the loop's
+a plain-TCP connection's frames itself (reducerd.dataplane.loop_reader: the loop's
 selector, non-blocking receives straight into a fresh buffer per frame, no
 copy and no thread hand-off), while a TLS connection's thread goes on
 reading its frames (over reducer_wire.tls.TlsChannel) and hands each shard
 to the loop. Each reply's frame is one buffer that the result was narrowed
-into (reducerd.replies); the loop sends it itself where the socket takes it
+into (reducerd.core.replies); the loop sends it itself where the socket takes it
 at once without blocking, else the connection's writer thread sends the rest
-(reducerd.outbox). Socket calls release the GIL, so sending runs beside the
+(reducerd.dataplane.outbox). Socket calls release the GIL, so sending runs beside the
 sums, and no per-byte work happens in Python.
 
 Bounds, so that no client can hold the daemon's memory or threads for ever
-(the per-connection ones in reducerd.dataconn):
+(the per-connection ones in reducerd.dataplane.connection):
 - the whole handshake (TLS, preface, HELLO) must end within
   HANDSHAKE_TIMEOUT_S of the accept, however slowly its bytes come;
 - at most MAX_HANDSHAKING connections are in their handshake, apart from the
@@ -44,13 +44,13 @@ from typing import Any
 import grpc
 from reducer_wire.framing import shutdown_quietly
 
-from reducerd.access import Access
-from reducerd.dataconn import Connection, ConnectionLimits
-from reducerd.dataread import BACKLOG_FRAMES, LoopReader
-from reducerd.limits import Credit, MemoryBudget, StreamCount
-from reducerd.session import Session
+from reducerd.core.limits import Credit, MemoryBudget, StreamCount
+from reducerd.dataplane.base import BACKLOG_FRAMES, ConnectionLimits, PayloadSlots
+from reducerd.dataplane.connection import Connection
+from reducerd.service.access import Access
+from reducerd.service.session import Session
 
-__all__ = ["DataPlane", "PayloadSlots", "MAX_HANDSHAKING", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT_S"]
+__all__ = ["DataPlane", "MAX_HANDSHAKING", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT_S"]
 
 log = logging.getLogger("reducerd")
 
@@ -94,7 +94,7 @@ class DataPlane:
         self._stopped = False
         # Frames read on all connections and not yet taken by the loop thread.
         self.backlog = Credit(BACKLOG_FRAMES)
-        # Payloads the loop itself is receiving (reducerd.dataread), as many.
+        # Payloads the loop itself is receiving (reducerd.dataplane.loop_reader), as many.
         self.payload_slots = PayloadSlots(BACKLOG_FRAMES, loop)
         # What the connections' threads handed the loop (call), in order; one
         # wake-up of the loop (call_soon_threadsafe) runs all queued by then.
@@ -237,37 +237,3 @@ class DataPlane:
                 function(*args)
             except Exception:  # as the loop's own handler would: log, run the rest
                 log.exception("reducerd fault in a data-plane call %r", function)
-
-
-class PayloadSlots:
-    """How many payloads the loop may be receiving at once, plane-wide
-    (reducerd.dataread; loop thread only): a reader waits its turn, first come
-    first served."""
-
-    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.limit = limit
-        self.loop = loop
-        self.taken = 0
-        self._waiting: deque[LoopReader] = deque()
-
-    def take(self, reader: LoopReader) -> bool:
-        """A slot for `reader`, or False: it is queued and resumed when one frees."""
-        if self.taken < self.limit and not self._waiting:
-            self.taken += 1
-            return True
-        if reader not in self._waiting:
-            self._waiting.append(reader)
-        return False
-
-    def give(self) -> None:
-        self.taken -= 1
-        while self._waiting and self.taken < self.limit:
-            reader = self._waiting.popleft()
-            if reader.wants_slot:
-                self.taken += 1
-                self.loop.call_soon(reader.resume_with_slot)
-                return
-
-    def forget(self, reader: LoopReader) -> None:
-        if reader in self._waiting:
-            self._waiting.remove(reader)

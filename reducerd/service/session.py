@@ -26,10 +26,10 @@ import grpc
 from reducer_wire import dtypes
 from reducer_wire.codec import MAX_NAME_CHARS, DecodeError, ShardView, decode_shard
 
-from reducerd.access import Grant
-from reducerd.config import DEFAULT_MAX_WORLD_SIZE
-from reducerd.reduction import ChunkId, Contribution, Delivery, ReductionTable
-from reducerd.replies import Reply, error_reply
+from reducerd.core.reduction import ChunkId, Contribution, Delivery, ReductionTable
+from reducerd.core.replies import Reply, error_reply
+from reducerd.ops.config import DEFAULT_MAX_WORLD_SIZE
+from reducerd.service.access import Grant
 
 __all__ = ["END", "MAX_OFFSET", "DecodeFault", "Observer", "Session", "Stream", "check_shard",
            "decode_request", "daemon_fault_message"]
@@ -43,7 +43,7 @@ END = object()  # in an outbox: end the stream with OK
 
 
 class Observer(Protocol):
-    """Sees every valid shard and every delivery (reducerd.metrics.Metrics); loop thread."""
+    """Sees every valid shard and every delivery (reducerd.ops.metrics.Metrics); loop thread."""
 
     def shard_in(self, job: str, dtype: int, nbytes: int) -> None: ...
 
@@ -67,7 +67,7 @@ class Stream:
         # The one job its token allows (a job token), or None for every job.
         self.job = job
         # The job whose share of the memory budget its transport bytes count
-        # against (reducerd.limits): its token's, else its first shard's.
+        # against (reducerd.core.limits): its token's, else its first shard's.
         self.tenant: str | None = None
         # Its first shard was taken: a stream of a job already at its share is
         # refused (RESOURCE_EXHAUSTED, which clients retry) before it adds to it.
@@ -130,7 +130,7 @@ class Stream:
 
 
 def _put(outbox: Any, item: Any, priority: int) -> None:
-    """Into a stream's outbox, before the items of a lower priority (reducerd.outbox)."""
+    """Into a stream's outbox, before the items of a lower priority (reducerd.dataplane.outbox)."""
     if priority:
         outbox.put_nowait(item, priority)
     else:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from reducerd.accumulate import WideningBuffer
+from reducerd.core.accumulate import WideningBuffer
 
 __all__ = ["SummingPool", "PoolClosed", "QUEUED_BYTES_PER_THREAD", "QUEUED_SHARE_OF_BUDGET"]
 
@@ -94,8 +94,8 @@ class SummingPool:
         self.queued_bytes_at_most = pool_bounds(threads, queued_bytes_at_most, min_chunk_bytes)
         self.threads = threads
         # Chunks of fewer wire bytes per contribution are summed on the loop
-        # thread instead (reducerd.chunk_sums.PooledSums.takes), and so is every
-        # new chunk while `busy` is False (set by the daemon: reducerd.busy).
+        # thread instead (reducerd.core.chunk_sums.PooledSums.takes), and so is every
+        # new chunk while `busy` is False (set by the daemon: reducerd.ops.busy).
         self.min_chunk_bytes = min_chunk_bytes
         self.busy = True
         self._parts = [_Partition() for _ in range(threads)]

@@ -1,18 +1,20 @@
 """One data-plane connection: its reader thread (the handshake; frames under TLS) and writer.
 
 A plain-TCP connection's frames are read by the loop thread once its
-handshake is over (reducerd.dataread); under TLS its reader thread reads
-them. Replies go out from the loop thread itself where the socket takes them
-at once, else from the writer thread (reducerd.outbox: direct sends); over
-TLS from the writer thread always.
+handshake is over (reducerd.dataplane.loop_reader); under TLS its reader
+thread reads them. Replies go out from the loop thread itself where the
+socket takes them at once, else from the writer thread
+(reducerd.dataplane.outbox: direct sends); over TLS from the writer thread
+always.
 
-Bounds kept here and in reducerd.dataread (reducerd.dataplane has the
+Bounds kept here and in reducerd.dataplane.loop_reader (the values both
+share in reducerd.dataplane.base; reducerd.dataplane.plane has the
 plane-wide ones):
 - the handshake (TLS, preface, HELLO) ends within the handshake timeout of the
   accept: a deadline, checked at every receive (the socket gets a receive tick
   meanwhile), not a timeout per read that a trickle could renew;
 - a connection whose job holds its share of the MemoryBudget (unread replies,
-  reserved frames: reducerd.limits) reads no next frame until that share
+  reserved frames: reducerd.core.limits) reads no next frame until that share
   comes free;
 - a frame's declared length is reserved from the MemoryBudget before its
   payload is read (waiting up to RESERVE_WAIT_S for room, else the connection
@@ -35,8 +37,7 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
@@ -61,42 +62,32 @@ from reducer_wire.framing import (
 )
 from reducer_wire.tls import TlsChannel
 
-from reducerd.dataread import (
+from reducerd.core.limits import Credit
+from reducerd.dataplane.base import (
     LINGER_S,
     RESERVE_WAIT_S,
+    SKIP_BYTES,
     UNSENT_BYTES,
     UNSENT_FRAMES,
-    LoopReader,
+    Plane,
 )
-from reducerd.limits import Credit
-from reducerd.outbox import GONE, ThreadOutbox
-from reducerd.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
+from reducerd.dataplane.loop_reader import LoopReader
+from reducerd.dataplane.outbox import GONE, ThreadOutbox
+from reducerd.service.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
 
-if TYPE_CHECKING:
-    from reducerd.dataplane import DataPlane
-
-__all__ = ["Connection", "ConnectionLimits", "GONE"]
+__all__ = ["Connection", "GONE"]
 
 log = logging.getLogger("reducerd")
 
 QUEUED_FRAMES = 8
-_SKIP_BYTES = 1 << 16
 # While a deadline runs, a silent socket hands control back this often.
 _RECEIVE_TICK_S = 0.25
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_message_bytes: int
-    send_timeout_s: float
-    handshake_timeout_s: float
-    frame_timeout_s: float
 
 
 class Connection:
     """A data-plane connection; serve() is its reader thread."""
 
-    def __init__(self, plane: DataPlane, sock: socket.socket, peer: str) -> None:
+    def __init__(self, plane: Plane, sock: socket.socket, peer: str) -> None:
         self.plane = plane
         self.sock = sock
         self.io: Any = sock  # the socket, or its TlsChannel
@@ -301,7 +292,7 @@ class Connection:
 
     def _skip(self, length: int) -> None:
         """Read and drop `length` bytes (nothing is reserved for them)."""
-        scratch = memoryview(bytearray(min(length, _SKIP_BYTES)))
+        scratch = memoryview(bytearray(min(length, SKIP_BYTES)))
         while length:
             view = scratch[:min(length, len(scratch))]
             if not recv_exactly(self.io, view):
@@ -356,7 +347,7 @@ class Connection:
                     self.io.sendall(status_frame(*item))
                     break
                 # Frame header and message: one buffer (its start may have gone
-                # out already, sent directly by the loop: reducerd.outbox).
+                # out already, sent directly by the loop: reducerd.dataplane.outbox).
                 self.io.sendall(item.frame[already_sent:])
                 self.outbox.sent(item)
                 del item  # a sent reply is not kept while waiting for the next one
@@ -388,7 +379,7 @@ def _drop_input(io: Any, timeout_s: float | None = None) -> None:
     """Read and drop until the client closes (or `timeout_s`, or the writer's
     linger shuts the socket down)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    scratch = memoryview(bytearray(_SKIP_BYTES))
+    scratch = memoryview(bytearray(SKIP_BYTES))
     try:
         while True:
             with contextlib.suppress(BlockingIOError):  # a receive tick passed: go on

@@ -23,21 +23,21 @@ from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.tls import server_context
 
-from reducerd.access import Access
-from reducerd.binding import add_port
-from reducerd.busy import SAMPLE_S, BusyGate
-from reducerd.config import Config
-from reducerd.dataplane import DataPlane
-from reducerd.grpc_service import ReducerServicer
-from reducerd.limits import TRANSPORT_RESERVE_SHARE, MemoryBudget
-from reducerd.memory import HeapTrimmer
-from reducerd.notify import Notifier
-from reducerd.reduction import UNAVAILABLE, ReductionTable
-from reducerd.session import Session
-from reducerd.summing_c import summing_pool
+from reducerd.core.limits import TRANSPORT_RESERVE_SHARE, MemoryBudget
+from reducerd.core.reduction import UNAVAILABLE, ReductionTable
+from reducerd.core.summing_c import summing_pool
+from reducerd.daemon.grpc_service import ReducerServicer
+from reducerd.dataplane.plane import DataPlane
+from reducerd.ops.binding import add_port
+from reducerd.ops.busy import SAMPLE_S, BusyGate
+from reducerd.ops.config import Config
+from reducerd.ops.memory import HeapTrimmer
+from reducerd.ops.notify import Notifier
+from reducerd.service.access import Access
+from reducerd.service.session import Session
 
 if TYPE_CHECKING:
-    from reducerd.metrics import Metrics
+    from reducerd.ops.metrics import Metrics
 
 __all__ = ["Daemon"]
 
@@ -57,7 +57,7 @@ TRIM_PERIOD_S = 1.0  # how often the heaps' free memory may be given back (_trim
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
     """Refuse calls without `authorization: Bearer <token>`, the daemon token or a
-    job token (reducerd.access, constant-time); which jobs a job token reaches
+    job token (reducerd.service.access, constant-time); which jobs a job token reaches
     the servicer checks."""
 
     def __init__(self, access: Access) -> None:
@@ -156,7 +156,7 @@ class Daemon:
                 require_client_auth=bool(cfg.tls_client_ca))
         else:
             credentials = None
-        # Exactly the address asked for: 0.0.0.0 must not mean [::] too (reducerd.binding).
+        # Exactly the address asked for: 0.0.0.0 must not mean [::] too (reducerd.ops.binding).
         self.port, self._bind_guard = add_port(server, cfg.listen_address, credentials)
         await server.start()
         self._server = server
@@ -191,8 +191,8 @@ class Daemon:
                                f"{what}: {exc}") from None
 
     def _start_metrics(self, address: str) -> None:
-        from reducerd.metrics import Metrics  # prometheus-client only when asked for
-        from reducerd.metrics_http import read_basic_auth
+        from reducerd.ops.metrics import Metrics  # prometheus-client only when asked for
+        from reducerd.ops.metrics_http import read_basic_auth
 
         cfg = self.config
         try:
@@ -247,7 +247,7 @@ class Daemon:
                               "trying again in %g s", period_s)
 
     async def _busy_loop(self) -> None:
-        """Every SAMPLE_S: whether new chunks go to the summing threads (reducerd.busy)."""
+        """Every SAMPLE_S: whether new chunks go to the summing threads (reducerd.ops.busy)."""
         if self.summing is None:
             return
         gate = BusyGate(self.config.pool_busy_cores)

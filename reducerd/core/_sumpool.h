@@ -20,9 +20,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../protos/python/reducer_wire/_api.h"
+#include "../../protos/python/reducer_wire/_api.h"
 
-/* Wire codecs, by the numbers the Python side passes (reducerd.summing). */
+/* Wire codecs, by the numbers the Python side passes (reducerd.core.summing). */
 enum { CODEC_FLOAT32 = 0, CODEC_FLOAT16, CODEC_BFLOAT16, CODEC_INT8, CODEC_FP8, CODECS };
 enum { TASK_COPY = 0, TASK_ADD, TASK_FINISH, TASK_MARK, TASK_CALL };
 

@@ -6,7 +6,7 @@ serves, STOPPING=1 when it starts to drain, WATCHDOG=1 at least every half of
 $WATCHDOG_USEC when the unit has WatchdogSec=. A socket path starting with '@'
 is in the abstract namespace (the '@' stands for a leading NUL byte).
 
-The daemon's Config reads those variables (reducerd.config, the one reader
+The daemon's Config reads those variables (reducerd.ops.config, the one reader
 of the environment). Without $NOTIFY_SOCKET every call does nothing, so the daemon runs the same
 outside systemd. A failed send is logged, never raised: the service manager's
 socket going away must not take the daemon down.
@@ -20,7 +20,7 @@ import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from reducerd.config import Config
+    from reducerd.ops.config import Config
 
 __all__ = ["Notifier"]
 
