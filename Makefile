@@ -10,6 +10,8 @@ STAMP_MX := $(VENV_MX)/.installed
 # The C conversions, 8-bit formats and the daemon's summing pool (setup.py): rebuilt in place
 # when their source changes.
 FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_quant.c \
+	protos/python/reducer_wire/_quant_int8.c protos/python/reducer_wire/_quant_fp8.c \
+	protos/python/reducer_wire/_quant.h \
 	protos/python/reducer_wire/_fpmode.h \
 	protos/python/reducer_wire/_codec.c protos/python/reducer_wire/_api.h \
 	reducerd/core/_sumpool.c reducerd/core/_sumpool_threads.c reducerd/core/_sumpool_tasks.c \

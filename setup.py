@@ -1,6 +1,7 @@
 """The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
-C), reducer_wire._quant (the 8-bit wire formats in C) and reducer_wire._codec
-(the Shard header parse), and the daemon's reducerd.core._sumpool (its summing
+C), reducer_wire._quant (the 8-bit wire formats in C, one source per format)
+and reducer_wire._codec (the Shard header parse), and the daemon's
+reducerd.core._sumpool (its summing
 threads in C, over the kernels' C API, reducer_wire/_api.h).
 
 Everything else is declared in pyproject.toml. The extensions are optional:
@@ -16,10 +17,14 @@ setup(ext_modules=[
               depends=["protos/python/reducer_wire/_fpmode.h",
                        "protos/python/reducer_wire/_api.h"],
               extra_compile_args=["-O3"], optional=True),
-    Extension("reducer_wire._quant", ["protos/python/reducer_wire/_quant.c"],
-              depends=["protos/python/reducer_wire/_fpmode.h",
+    Extension("reducer_wire._quant", ["protos/python/reducer_wire/_quant.c",
+                                      "protos/python/reducer_wire/_quant_int8.c",
+                                      "protos/python/reducer_wire/_quant_fp8.c"],
+              depends=["protos/python/reducer_wire/_quant.h",
+                       "protos/python/reducer_wire/_fpmode.h",
                        "protos/python/reducer_wire/_api.h"],
-              extra_compile_args=["-O3"], libraries=["m"], optional=True),
+              extra_compile_args=["-O3", "-fvisibility=hidden"], libraries=["m"],
+              optional=True),
     Extension("reducerd.core._sumpool", ["reducerd/core/_sumpool.c",
                                          "reducerd/core/_sumpool_threads.c",
                                          "reducerd/core/_sumpool_tasks.c"],

@@ -549,9 +549,10 @@ def test_c_quant_kernels_are_built_and_current_where_a_compiler_is():
     kernels = quant.kernels()
     assert kernels is not None, "reducer_wire._quant is missing: run `make build`"
     built = Path(kernels.__file__)
-    source = Path(quant.__file__).with_name("_quant.c")
-    assert built.stat().st_mtime >= source.stat().st_mtime, (
-        f"{built.name} is older than _quant.c: run `make build`")
+    for name in ("_quant.c", "_quant_int8.c", "_quant_fp8.c", "_quant.h"):
+        source = Path(quant.__file__).with_name(name)
+        assert built.stat().st_mtime >= source.stat().st_mtime, (
+            f"{built.name} is older than {name}: run `make build`")
 
 
 # -- the daemon's table and shard checks, the client's layout, on the 8-bit wires -------

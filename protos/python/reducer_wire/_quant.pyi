@@ -1,4 +1,4 @@
-"""Types of the C extension built from _quant.c (see that file)."""
+"""Types of the C extension built from _quant.c, _quant_int8.c and _quant_fp8.c."""
 
 from typing_extensions import Buffer
 
