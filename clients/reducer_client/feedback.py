@@ -112,10 +112,14 @@ class ErrorFeedback:
             sent = np.multiply(sent, scale, dtype=np.float32, casting="unsafe")
         convert.to_wire(sent, self._dtype, out=state.wire)
         convert.from_wire(state.wire, self._dtype, residual)
-        np.subtract(sent, residual, out=residual)
+        with np.errstate(invalid="ignore"):  # Inf - Inf: dropped just below
+            np.subtract(sent, residual, out=residual)
         if scale != 1.0:
             np.multiply(residual, 1.0 / scale, out=residual)
-        # A non-finite gradient must not poison every later step.
+        # An element the wire could not carry (beyond its finite range, Inf,
+        # NaN, or in an int8 block holding one) arrives non-finite on every
+        # worker, and a loss scaler skips the step: it keeps no residue, which
+        # would pay a clipped excess, or NaN, into the later steps.
         if not np.isfinite(residual).all():
             residual[~np.isfinite(residual)] = 0.0
 

@@ -150,33 +150,38 @@ def _fp8_cases(fmt, rng):
     return np.concatenate([f32(finite), mid32, up, down, f32(spread), tiny, f32(specials)])
 
 
-def _nearest_even_saturating(x, fmt):
-    """Oracle without ml_dtypes: the nearest finite code (ties: even mantissa),
-    saturating; NaN -> NaN, Inf -> E5M2 Inf or E4M3 NaN, sign kept."""
+def _nearest_even(x, fmt):
+    """Oracle without ml_dtypes: the nearest code (ties: even mantissa) among
+    the finite ones and the first step beyond the largest finite, which the
+    format cannot hold: that one overflows, as Inf does, to E5M2 Inf or E4M3
+    NaN; NaN -> NaN; sign kept."""
     table = quant.fp8_table(fmt).astype(np.float64)
-    positive = np.arange(fmt.max_code + 1)  # codes 0 .. max, values increasing
-    values = table[positive]
-    magnitude = np.minimum(np.abs(x.astype(np.float64)), FP8_MAX[fmt.name])
-    hi = np.clip(np.searchsorted(values, magnitude), 0, fmt.max_code)
+    largest = table[fmt.max_code]
+    beyond = largest + (largest - table[fmt.max_code - 1])  # the next step: 480, 65536
+    values = np.append(table[np.arange(fmt.max_code + 1)], beyond)  # increasing
+    magnitude = np.minimum(np.abs(x.astype(np.float64)), beyond)
+    hi = np.clip(np.searchsorted(values, magnitude), 0, fmt.max_code + 1)
     lo = np.maximum(hi - 1, 0)
     d_lo, d_hi = magnitude - values[lo], values[hi] - magnitude
     pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
     codes = np.where(pick_hi, hi, lo).astype(np.uint32)
-    codes = np.where(np.isinf(x), fmt.inf_code, codes)
+    codes = np.where((codes > fmt.max_code) | np.isinf(x), fmt.inf_code, codes)
     codes = np.where(np.isnan(x), fmt.nan_code, codes)
     return (codes | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
-def test_fp8_encoding_is_nearest_even_and_saturating(impl, fmt):
+def test_fp8_encoding_is_nearest_even_and_overflows_never_saturates(impl, fmt):
     x = _fp8_cases(fmt, np.random.default_rng(7))
     got = encode8(x, fmt, impl)
-    assert np.array_equal(got, _nearest_even_saturating(x, fmt))
-    # Known codes: ties to even, saturation, specials.
-    expected = {"e4m3": {1.0625: 0x38, 1.1875: 0x3A, 448.0: 0x7E, 463.0: 0x7E, 1e6: 0x7E,
-                         -1e30: 0xFE, 2.0 ** -10: 0x00, 3 * 2.0 ** -11: 0x01},
-                "e5m2": {1.125: 0x3C, 1.375: 0x3E, 57344.0: 0x7B, 61440.0: 0x7B, 1e9: 0x7B,
-                         2.0 ** -17: 0x00, 3 * 2.0 ** -18: 0x01}}[fmt.name]
+    assert np.array_equal(got, _nearest_even(x, fmt))
+    # Known codes: ties to even, overflow, specials.
+    expected = {"e4m3": {1.0625: 0x38, 1.1875: 0x3A, 448.0: 0x7E, 463.0: 0x7E, 464.0: 0x7E,
+                         464.00003: 0x7F, 1e6: 0x7F, -1e30: 0xFF, 2.0 ** -10: 0x00,
+                         3 * 2.0 ** -11: 0x01},
+                "e5m2": {1.125: 0x3C, 1.375: 0x3E, 57344.0: 0x7B, 61439.996: 0x7B,
+                         61440.0: 0x7C, 1e9: 0x7C, -1e9: 0xFC, 2.0 ** -17: 0x00,
+                         3 * 2.0 ** -18: 0x01}}[fmt.name]
     assert encode8(f32(list(expected)), fmt, impl).tolist() == list(expected.values())
     inf, nan = (0x7F, 0x7F) if fmt is E4M3 else (0x7C, 0x7E)
     specials = encode8(f32([np.inf, -np.inf, np.nan, -np.nan, -0.0]), fmt, impl)
@@ -184,13 +189,11 @@ def test_fp8_encoding_is_nearest_even_and_saturating(impl, fmt):
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
-def test_fp8_encoding_matches_ml_dtypes_inside_the_range(fmt):
+def test_fp8_encoding_matches_ml_dtypes_overflow_included(fmt):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     x = _fp8_cases(fmt, np.random.default_rng(8))
-    # ml_dtypes does not saturate (E4M3 overflow -> NaN, E5M2 -> Inf): clip the finite first.
-    limit = FP8_MAX[fmt.name]
-    clipped = np.where(np.isfinite(x), np.clip(x, -limit, limit), x).astype(np.float32)
-    oracle = clipped.astype(ml_dtypes.float8_e4m3fn if fmt is E4M3 else ml_dtypes.float8_e5m2)
+    # ml_dtypes does not saturate either (E4M3 overflow -> NaN, E5M2 -> Inf).
+    oracle = x.astype(ml_dtypes.float8_e4m3fn if fmt is E4M3 else ml_dtypes.float8_e5m2)
     oracle_bits = oracle.view(np.uint8).copy()
     if fmt is E4M3:  # no E4M3 infinity: ml_dtypes gives NaN, sign kept, as we do
         assert np.array_equal(oracle_bits[np.isinf(x)], np.where(x[np.isinf(x)] > 0, 0x7F, 0xFF))
@@ -421,6 +424,53 @@ def test_bad_sizes_are_refused_with_the_sizes_named():
     assert (acc == 127).all()
 
 
+# -- the edge of each format's range (docs/wire-8bit.md's table is these values) ------
+
+NAN = float("nan")
+EDGE_INPUTS = [448.0, 449.0, 464.0, 464.00003, 57344.0, 61439.996, 61440.0, 65504.0, 1e5,
+               3.4028235e38, np.inf, -np.inf, NAN, -0.0,
+               2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11, 2.0 ** -16, 2.0 ** -17, 1e-40]
+# What each input decodes to, from the formats' definitions: nearest even; a
+# value rounding beyond the largest finite overflows (E4M3: above 464, whose
+# tie rounds to 448's even mantissa; E5M2: from 61440, whose tie rounds up).
+EDGE_DECODED = {
+    "e4m3": [448.0, 448.0, 448.0, NAN, NAN, NAN, NAN, NAN, NAN,
+             NAN, NAN, NAN, NAN, -0.0,
+             2.0 ** -9, 0.0, 2.0 ** -9, 0.0, 0.0, 0.0],
+    "e5m2": [448.0, 448.0, 448.0, 448.0, 57344.0, 57344.0, np.inf, np.inf, np.inf,
+             np.inf, np.inf, -np.inf, NAN, -0.0,
+             2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11, 2.0 ** -16, 0.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_fp8_at_the_edge_of_its_range_overflows_never_clips(impl, fmt):
+    x = f32(EDGE_INPUTS)
+    got = decode8(encode8(x, fmt, impl), fmt, impl)
+    assert same_bits_or_both_nan(got, EDGE_DECODED[fmt.name])
+    assert np.array_equal(np.signbit(got), np.signbit(x))  # NaN too: -Inf -> E4M3 -NaN
+    assert quant.fp8_overflow(fmt) == float(f32(464.00003 if fmt is E4M3 else 61440.0))
+
+
+def test_int8_at_the_edge_of_float32s_range(impl):
+    """int8 has float32's range: every finite input decodes within its bound
+    but float32's largest, whose code 127 times its scale overflows to Inf;
+    a block with Inf or NaN decodes to NaN, every element of it."""
+    x = np.zeros(len(EDGE_INPUTS) * B, np.float32)
+    x[::B] = EDGE_INPUTS  # each value alone in its block, with zeros
+    x[1::B] = 1.0
+    got = decode_q8(encode_q8(x, impl), x.size, impl).reshape(-1, B)
+    first = got[:, 0]
+    finite = np.isfinite(f32(EDGE_INPUTS)) & (np.abs(f32(EDGE_INPUTS)) < 3e38)
+    amax = np.maximum(np.abs(f32(EDGE_INPUTS)[finite]), 1.0).astype(np.float64)
+    error = np.abs(first[finite] - f32(EDGE_INPUTS)[finite])
+    assert (error <= amax / 254 * (1 + 2.0 ** -14) + 2.0 ** -142).all()
+    assert first[EDGE_INPUTS.index(3.4028235e38)] == np.inf
+    for special in (np.inf, -np.inf):
+        assert np.isnan(got[EDGE_INPUTS.index(special)]).all()
+    assert np.isnan(got[12]).all()  # the NaN's block
+
+
 # -- the reduction: N contributors, one quantization each and one of the result ---
 
 def _gamma(n):
@@ -521,7 +571,7 @@ def test_a_ring_requantizing_per_hop_grows_with_n_the_reducer_does_not():
     assert worst[64][1] > 4 * worst[64][0]  # the ring's error grew with its hops
 
 
-def test_reduction_of_non_finite_values_and_fp8_saturation():
+def test_reduction_of_non_finite_values_and_fp8_overflow():
     ones = np.ones(2 * B, np.float32)
     poisoned = ones.copy()
     poisoned[7] = np.inf
@@ -533,9 +583,13 @@ def test_reduction_of_non_finite_values_and_fp8_saturation():
         x = f32([big, -big, 1.0, np.inf])
         got, _ = _reduce([x] * 4, lambda v, f=fmt: encode8(v, f), lambda w, f=fmt: decode8(w, f),
                          lambda acc, w, f=fmt: quant.add_fp8(acc, w, f), mean=False)
-        limit = FP8_MAX[fmt.name]
-        assert got[:3].tolist() == [limit, -limit, 4.0]  # the sum saturates
-        assert (np.isinf(got[3]) and got[3] > 0) if fmt is E5M2 else np.isnan(got[3])
+        # Each contribution is in range, their sum is not: it overflows, with its sign.
+        assert got[2] == 4.0
+        if fmt is E5M2:
+            assert got[[0, 1, 3]].tolist() == [np.inf, -np.inf, np.inf]
+        else:
+            assert np.isnan(got[[0, 1, 3]]).all()
+            assert np.signbit(got[[0, 1, 3]]).tolist() == [False, True, False]
 
 
 def test_c_quant_kernels_are_built_and_current_where_a_compiler_is():

@@ -2,9 +2,10 @@
  * float32, and the daemon's dequantize-and-add into a float32 accumulator
  * (reducer_wire/quant.py holds the definition and the NumPy reference; the
  * same bits here):
- *   nearest even, finite overflow saturates to the largest finite,
- *   NaN -> the format's NaN, Inf -> E5M2 Inf or E4M3 NaN, sign kept;
- *   decoding is exact.
+ *   nearest even; a finite value that rounds beyond the largest finite
+ *   overflows as IEEE rounding does, never saturates: to E5M2 Inf, or E4M3
+ *   NaN (E4M3 has no infinity), so a loss scaler sees it; NaN -> the
+ *   format's NaN, Inf -> E5M2 Inf or E4M3 NaN, sign kept; decoding is exact.
  * The loops are written once (always-inline bodies) and compiled twice: for
  * the baseline x86-64 (or any CPU) and for AVX2, chosen at run time, where
  * the compiler vectorises them. Where it does that poorly there are
@@ -21,8 +22,8 @@ INLINE uint32_t mask_if(int condition) { return (uint32_t)0 - (uint32_t)(conditi
  * signed compares only. */
 INLINE int below(uint32_t magnitude, uint32_t limit) { return (int32_t)magnitude < (int32_t)limit; }
 
-INLINE uint32_t fp8_from_bits(uint32_t bits, int mbits, int bias, uint32_t max_bits,
-                              uint32_t max_code, uint32_t inf_code, uint32_t nan_code) {
+INLINE uint32_t fp8_from_bits(uint32_t bits, int mbits, int bias, uint32_t overflow_bits,
+                              uint32_t inf_code, uint32_t nan_code) {
     uint32_t magnitude = bits & 0x7FFFFFFFu;
     int shift = 23 - mbits;
     /* Normal: rebias, add just under half an ulp plus the kept lowest bit. */
@@ -35,15 +36,20 @@ INLINE uint32_t fp8_from_bits(uint32_t bits, int mbits, int bias, uint32_t max_b
     uint32_t tiny = float_to_bits(bits_to_float(magnitude) + bits_to_float(magic)) - magic;
     uint32_t code = pick_bits(mask_if(below(magnitude, (uint32_t)(127 - bias + 1) << 23)),
                               tiny, normal);
-    code = pick_bits(mask_if(!below(magnitude, max_bits)), max_code, code);
-    code = pick_bits(mask_if(magnitude == 0x7F800000u), inf_code, code);
+    /* Overflow, Inf among it: what Inf becomes. */
+    code = pick_bits(mask_if(!below(magnitude, overflow_bits)), inf_code, code);
     code = pick_bits(mask_if(below(0x7F800000u, magnitude)), nan_code, code);
     return code | ((bits >> 24) & 0x80u);
 }
 
-/* The format's fields as constants, so each loop is compiled for one format. */
-#define FP8_ARGS_E4M3 3, 7, 0x43E00000u, 0x7Eu, 0x7Fu, 0x7Fu
-#define FP8_ARGS_E5M2 2, 15, 0x47600000u, 0x7Bu, 0x7Cu, 0x7Eu
+/* The format's fields as constants, so each loop is compiled for one format:
+ * mantissa bits, bias; the smallest float32 magnitude that rounds beyond the
+ * largest finite (nearest even: E4M3's 448 + 16 rounds to 448, whose
+ * mantissa is even, anything above it to 480, no finite code; E5M2's
+ * 57344 + 4096 rounds to 65536); the code of Inf and of every overflow
+ * (E5M2 Inf; E4M3 has no infinity: its NaN); the code of NaN. */
+#define FP8_ARGS_E4M3 3, 7, 0x43E80001u, 0x7Fu, 0x7Fu
+#define FP8_ARGS_E5M2 2, 15, 0x47700000u, 0x7Cu, 0x7Eu
 
 INLINE void fp8_encode_body(const char *src, char *dst, Py_ssize_t n, int kind) {
     uint8_t *out = (uint8_t *)dst;
@@ -164,8 +170,8 @@ F16C_PATH static inline __m256 fp8_eight_f16c(const uint8_t *codes, int kind) {
  * vectorisation of the loop above packed each code to a byte one lane at a
  * time; here 32 codes are packed with two saturating packs, as for int8. */
 F16C_PATH static inline __m256i fp8_codes_avx2(__m256i bits, int mbits, int bias,
-                                               uint32_t max_bits, uint32_t max_code,
-                                               uint32_t inf_code, uint32_t nan_code) {
+                                               uint32_t overflow_bits, uint32_t inf_code,
+                                               uint32_t nan_code) {
     const int shift = 23 - mbits;
     __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, shift), _mm256_set1_epi32(1));
@@ -178,13 +184,10 @@ F16C_PATH static inline __m256i fp8_codes_avx2(__m256i bits, int mbits, int bias
     __m256i is_tiny = _mm256_cmpgt_epi32(
         _mm256_set1_epi32((int)((uint32_t)(127 - bias + 1) << 23)), magnitude);
     __m256i code = _mm256_blendv_epi8(normal, tiny, is_tiny);
-    __m256i in_range = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)max_bits), magnitude);
-    code = _mm256_blendv_epi8(_mm256_set1_epi32((int)max_code), code, in_range);
-    const __m256i inf = _mm256_set1_epi32(0x7F800000);
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32((int)inf_code),
-                              _mm256_cmpeq_epi32(magnitude, inf));
+    __m256i in_range = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)overflow_bits), magnitude);
+    code = _mm256_blendv_epi8(_mm256_set1_epi32((int)inf_code), code, in_range);
     code = _mm256_blendv_epi8(code, _mm256_set1_epi32((int)nan_code),
-                              _mm256_cmpgt_epi32(magnitude, inf));
+                              _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000)));
     return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(bits, 24),
                                                   _mm256_set1_epi32(0x80)));
 }
@@ -216,8 +219,8 @@ F16C_PATH static void fp8_encode_intrinsics(const char *src, char *dst, Py_ssize
 #define AVX512_PATH __attribute__((target("avx512f")))
 
 AVX512_PATH static inline __m128i fp8_codes_avx512(__m512i bits, int mbits, int bias,
-                                                   uint32_t max_bits, uint32_t max_code,
-                                                   uint32_t inf_code, uint32_t nan_code) {
+                                                   uint32_t overflow_bits, uint32_t inf_code,
+                                                   uint32_t nan_code) {
     const int shift = 23 - mbits;
     __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, shift), _mm512_set1_epi32(1));
@@ -230,12 +233,9 @@ AVX512_PATH static inline __m128i fp8_codes_avx512(__m512i bits, int mbits, int 
     code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(
         magnitude, _mm512_set1_epi32((int)((uint32_t)(127 - bias + 1) << 23))), tiny);
     code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(
-        magnitude, _mm512_set1_epi32((int)max_bits)), _mm512_set1_epi32((int)max_code));
-    const __m512i inf = _mm512_set1_epi32(0x7F800000);
-    code = _mm512_mask_mov_epi32(code, _mm512_cmpeq_epu32_mask(magnitude, inf),
-                                 _mm512_set1_epi32((int)inf_code));
-    code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(magnitude, inf),
-                                 _mm512_set1_epi32((int)nan_code));
+        magnitude, _mm512_set1_epi32((int)overflow_bits)), _mm512_set1_epi32((int)inf_code));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(
+        magnitude, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32((int)nan_code));
     code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(bits, 24),
                                                   _mm512_set1_epi32(0x80)));
     return _mm512_cvtepi32_epi8(code);

@@ -25,12 +25,14 @@ of float32's maximum).
 
 FP8 (DTYPE_FP8_E4M3, DTYPE_FP8_E5M2): one byte per element, no scale, the
 OCP 8-bit floating point formats. float32 rounds to nearest, ties to even.
-Finite values beyond the largest finite (E4M3 448, E5M2 57344) saturate to
-it with their sign, as the specification's saturating mode says; that is
-what the daemon does when a sum overflows the format. Non-finite inputs stay
-non-finite, so a loss scaler still sees an overflow: NaN -> the format's NaN
-with its sign (E4M3 0x7F/0xFF, E5M2 0x7E/0xFE), +-Inf -> E5M2 +-Inf
-(0x7C/0xFC) and, E4M3 having no infinity, -> E4M3 NaN with its sign.
+A value that rounds beyond the largest finite (E4M3: |x| > 464, the midpoint
+above 448, whose tie rounds down to 448's even mantissa; E5M2: |x| >= 61440,
+the midpoint above 57344) overflows, as in the specification's
+non-saturating mode; it is never clipped, so a loss scaler sees it: to
+E5M2 +-Inf (0x7C/0xFC) and, E4M3 having no infinity, to E4M3 NaN with its
+sign (0x7F/0xFF). +-Inf does the same; NaN -> the format's NaN with its
+sign (E4M3 0x7F/0xFF, E5M2 0x7E/0xFE). The daemon's sum is encoded alike:
+a sum beyond the format's range reaches every worker non-finite.
 Decoding is exact.
 """
 
@@ -45,7 +47,8 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 __all__ = ["encode", "decode", "add", "INT8_BLOCK", "Fp8Format", "E4M3", "E5M2",
            "int8_nbytes", "int8_numel", "encode_int8", "decode_int8", "add_int8",
-           "encode_fp8", "decode_fp8", "add_fp8", "fp8_table", "kernels", "ERROR_BOUND_DOC"]
+           "encode_fp8", "decode_fp8", "add_fp8", "fp8_table", "fp8_overflow", "kernels",
+           "ERROR_BOUND_DOC"]
 
 # Elements per int8 block. 128: the four scale bytes cost 3.1 % over one byte
 # per element (64: 6.3 %, 256: 1.6 %); on gradient-like data the RMS error is
@@ -74,8 +77,8 @@ int8:  e_in(r) = A_r / 254 * (1 + 2^-14) + 2^-142, A_r the largest |x_r| in
        |value| in the element's block of the daemon's float32 result.
 FP8:   e_in(r) = u |x_r| + a / 2, e_out = u |y| + a / 2 (y the float32
        result), u = 2^-4 (E4M3) or 2^-3 (E5M2), a = 2^-9 (E4M3) or 2^-16
-       (E5M2) the subnormal spacing; while every |x_r| and |y| are at most the
-       format's largest finite (448, 57344): beyond it values saturate.
+       (E5M2) the subnormal spacing; while every |x_r| and |y| round to
+       finite codes (at most 464, 61440): beyond, the result is non-finite.
 
 Relative to sum_r A_r (int8) or M (FP8) the SUM bound is about 2/254 (int8)
 or 2u (FP8), plus 2g: each contribution is rounded once and the result once,
@@ -181,7 +184,8 @@ def encode_int8(values: np.ndarray, out: np.ndarray | memoryview | bytearray,
 def _decoded_int8(data: np.ndarray, numel: int, block: int) -> np.ndarray:
     scales, codes = _split(data, numel, block)
     per_element = np.repeat(scales.astype(np.float32), block)[:numel]
-    return codes.astype(np.float32) * per_element  # exact: see the module docstring
+    with np.errstate(over="ignore"):  # 127 times the scale of float32's largest: Inf
+        return codes.astype(np.float32) * per_element  # exact: see the module docstring
 
 
 def decode_int8(data: bytes | memoryview | np.ndarray, out: np.ndarray,
@@ -219,7 +223,7 @@ class Fp8Format(NamedTuple):
     bias: int
     max_code: int  # largest finite magnitude
     nan_code: int
-    inf_code: int  # what +Inf becomes (E4M3 has no infinity: its NaN)
+    inf_code: int  # what +Inf and every overflow become (E4M3 has no infinity: its NaN)
     kind: int  # the C kernels' format number
 
 
@@ -250,8 +254,26 @@ def fp8_table(fmt: Fp8Format) -> np.ndarray:
 _TABLES = {fmt.kind: fp8_table(fmt) for fmt in (E4M3, E5M2)}
 
 
+def fp8_overflow(fmt: Fp8Format) -> float:
+    """The smallest float32 magnitude that rounds beyond the format's largest
+    finite: E4M3 the float32 just above 464, E5M2 61440. It and all above it
+    (Inf too) encode to fmt.inf_code with their sign."""
+    largest = float(fp8_table(fmt)[fmt.max_code])
+    half_ulp = 2.0 ** (np.floor(np.log2(largest)) - fmt.mantissa_bits - 1)
+    midpoint = np.float32(largest + half_ulp)
+    # A tie rounds to the even mantissa: down to the largest finite if its
+    # mantissa is even (E4M3), up beyond it if odd (E5M2).
+    if fmt.max_code % 2 == 0:
+        midpoint = np.nextafter(midpoint, np.float32(np.inf))
+    return float(midpoint)
+
+
+_OVERFLOW_BITS = {fmt.kind: np.float32(fp8_overflow(fmt)).view(np.uint32)
+                  for fmt in (E4M3, E5M2)}
+
+
 def _fp8_codes(values: np.ndarray, fmt: Fp8Format) -> np.ndarray:
-    """Round float32 to the format (nearest even, saturating): uint8 codes."""
+    """Round float32 to the format (nearest even, overflow non-finite): uint8 codes."""
     bits = values.view(np.uint32)
     magnitude = bits & np.uint32(0x7FFFFFFF)
     shift = np.uint32(23 - fmt.mantissa_bits)
@@ -270,9 +292,7 @@ def _fp8_codes(values: np.ndarray, fmt: Fp8Format) -> np.ndarray:
         tiny = (magnitude.view(np.float32) + magic).view(np.uint32) - magic_bits
     min_normal_bits = np.uint32((127 - fmt.bias + 1) << 23)
     codes = np.where(magnitude < min_normal_bits, tiny, normal)
-    max_bits = np.float32(fp8_table(fmt)[fmt.max_code]).view(np.uint32)
-    codes = np.where(magnitude >= max_bits, np.uint32(fmt.max_code), codes)
-    codes = np.where(magnitude == np.uint32(0x7F800000), np.uint32(fmt.inf_code), codes)
+    codes = np.where(magnitude >= _OVERFLOW_BITS[fmt.kind], np.uint32(fmt.inf_code), codes)
     codes = np.where(magnitude > np.uint32(0x7F800000), np.uint32(fmt.nan_code), codes)
     codes |= (bits >> np.uint32(24)) & np.uint32(0x80)
     return codes.astype(np.uint8)
