@@ -48,7 +48,11 @@ class Bucket:
         if self.flat is None:
             self.flat = torch.empty(self.flags_at + len(self.params), device=first.device,
                                     dtype=flat_dtype(first.dtype))
-            self.flat[self.numel:self.flags_at].zero_()  # zeros reduce to zeros: once
+        # The padding up to the flags' block, every step: it shares an int8
+        # block with the last gradients, and a block holding Inf or NaN comes
+        # back NaN whole, so once reduced into itself it would poison every
+        # later step's block (a loss scaler would then skip every step).
+        self.flat[self.numel:self.flags_at].zero_()
         # Device-side fills only: a host-to-device copy of the flags would
         # wait for the stream and so for the rest of backward.
         flags = self.flat[self.flags_at:]
