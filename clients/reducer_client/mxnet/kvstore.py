@@ -1,5 +1,11 @@
 """The KVStore type "reducer": pushpull and broadcast through reducerd daemons.
 
+MXNet's older calls work on top of them: init (a broadcast of rank 0's
+value), push (a pushpull into the key's stored value, which it replaces, as
+dist_sync does without an updater) and pull (a copy of the stored value).
+row_sparse_pull and updaters are not supported: they raise
+NotImplementedError saying so.
+
 Error feedback (reducer_client.feedback), on by default for the 8-bit wires
 ("int8", "fp8_e4m3", "fp8_e5m2"), as in the torch shim: each pushpull
 transfer (a store key, or a packed group of small ones: the same transfer
@@ -16,9 +22,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import grpc
 import numpy as np
+from mxnet import nd as mx_nd
 from mxnet.kvstore import KVStoreBase
 
 from reducer_client.api import Reducer as ReducerBackend
@@ -68,6 +76,11 @@ def _feedback_for(backend: ReducerBackend) -> ErrorFeedback | None:
         return _feedbacks[backend]
 
 
+def _unsupported(call: str) -> str:
+    return (f"reducer kvstore: {call} is not supported by the reducer KVStore: use "
+            "pushpull / broadcast")
+
+
 def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -95,6 +108,7 @@ class Reducer(KVStoreBase):
         self._fusion_bytes = fusion_bytes
         self._backend = backend if backend is not None else basics.client()
         self._buffers = BufferCache()  # pushpull transfers reduce into these
+        self._stored: dict[str, Any] = {}  # init / push / pull: key -> its NDArray
         if error_feedback is not None:
             set_error_feedback(error_feedback, self._backend)
 
@@ -179,6 +193,70 @@ class Reducer(KVStoreBase):
         results = self._transfer("broadcast", keys, [v[:1] for v in values], start, fresh)
         for result, targets in zip(results, outs, strict=True):
             write_result(result, targets)
+
+    # -- MXNet's older KVStore calls: init, push, pull ------------------------------
+
+    def init(self, key, value) -> None:
+        """Give each key its stored value: rank 0's `value` (its first copy, if
+        a list), broadcast exactly (as float32 on the wire) to every worker.
+
+        The store keeps one host copy per initialized key, in the value's
+        dtype, until the store is gone. A key is initialized once.
+        """
+        keys, values, _ = self._normalize(key, value, None)
+        for name in keys:
+            if name in self._stored:
+                raise ValueError(f"reducer kvstore: key {name!r} is already initialized "
+                                 "(init is called once per key)")
+        stored = [mx_nd.empty(v[0].shape, dtype=v[0].dtype) for v in values]
+        self.broadcast(keys, [v[:1] for v in values], out=stored)
+        self._stored.update(zip(keys, stored, strict=True))
+
+    def push(self, key, value, priority: int = 0) -> None:
+        """Replace each key's stored value with the sum over workers (and
+        devices: a list of values is summed first) of `value`, combined with
+        the store's op, as MXNet's dist_sync store does without an updater.
+
+        Every worker must push the same keys in the same order; each push is
+        one pushpull round of its keys.
+        """
+        keys, values, _ = self._normalize(key, value, None)
+        stored = [self._stored_value(name, "push") for name in keys]
+        for name, per_device, target in zip(keys, values, stored, strict=True):
+            for v in per_device:
+                if tuple(v.shape) != tuple(target.shape):
+                    raise ValueError(f"reducer kvstore: push of key {name!r} with shape "
+                                     f"{tuple(v.shape)}, initialized with "
+                                     f"{tuple(target.shape)}")
+        self.pushpull(keys, values, out=stored, priority=priority)
+
+    def pull(self, key, out=None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy each key's stored value (init's, or the last push's) into `out`
+        (per key an NDArray or a list of them). No communication: every
+        worker holds the same stored values."""
+        if out is None:
+            raise ValueError("reducer kvstore: pull needs out=, the arrays to copy into")
+        keys, outs, _ = self._normalize(key, out, None)
+        for name, targets in zip(keys, outs, strict=True):
+            stored = self._stored_value(name, "pull")
+            for target in targets:
+                stored.copyto(target)
+
+    def row_sparse_pull(self, key, out=None, priority: int = 0, row_ids=None) -> None:
+        raise NotImplementedError(_unsupported("row_sparse_pull"))
+
+    def set_updater(self, updater) -> None:
+        raise NotImplementedError(_unsupported("set_updater"))
+
+    def _set_updater(self, updater) -> None:  # MXNet 1.x's name for it
+        raise NotImplementedError(_unsupported("_set_updater"))
+
+    def _stored_value(self, name: str, call: str):
+        stored = self._stored.get(name)
+        if stored is None:
+            raise ValueError(f"reducer kvstore: {call} of key {name!r}, which was never "
+                             "initialized: call init(key, value) first")
+        return stored
 
     def set_optimizer(self, optimizer) -> None:
         raise NotImplementedError(
