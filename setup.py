@@ -1,8 +1,8 @@
 """The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
 C), reducer_wire._quant (the 8-bit wire formats in C, one source per format)
 and reducer_wire._codec (the Shard header parse), and the daemon's
-reducerd.core._sumpool (its summing
-threads in C, over the kernels' C API, reducer_wire/_api.h).
+reducerd.core._sumpool (its summing threads in C, over the kernels' C API,
+reducer_wire/_api.h).
 
 Everything else is declared in pyproject.toml. The extensions are optional:
 where no C compiler is at hand the build goes on without them and
