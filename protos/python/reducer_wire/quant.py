@@ -78,7 +78,8 @@ int8:  e_in(r) = A_r / 254 * (1 + 2^-14) + 2^-142, A_r the largest |x_r| in
 FP8:   e_in(r) = u |x_r| + a / 2, e_out = u |y| + a / 2 (y the float32
        result), u = 2^-4 (E4M3) or 2^-3 (E5M2), a = 2^-9 (E4M3) or 2^-16
        (E5M2) the subnormal spacing; while every |x_r| and |y| round to
-       finite codes (at most 464, 61440): beyond, the result is non-finite.
+       finite codes (E4M3: at most 464; E5M2: below 61440): beyond, the
+       result is non-finite.
 
 Relative to sum_r A_r (int8) or M (FP8) the SUM bound is about 2/254 (int8)
 or 2u (FP8), plus 2g: each contribution is rounded once and the result once,
