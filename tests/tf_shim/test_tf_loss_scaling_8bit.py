@@ -12,8 +12,10 @@ bound) is tests/helpers/loss_scaling_case.py; the large value is 63000,
 within float16's range (the gradients are float16 before they widen to the
 variables' float32) and beyond both FP8 formats'. The reference is the same
 training in one process: both ranks' gradients, computed by the same ops,
-averaged in float32, the wire's range applied. Checked: the scale's history
-is the same on both ranks, equal to the reference's and to the one the data
+averaged in float32, the wire's range applied. Each runs in a custom loop
+(scale_loss, GradientTape, apply) and, but for the large value (injected
+relative to the scale), through model.fit. Checked: the scale's history is
+the same on both ranks, equal to the reference's and to the one the data
 implies; the weights are within the derived bound of the reference's.
 """
 
@@ -32,6 +34,9 @@ pytestmark = pytest.mark.timeout(300)
 
 INITIAL_SCALE = 2.0 ** 15  # Keras's LossScaleOptimizer default
 LARGE = 63000.0
+# model.fit too, where the data does not depend on the scale (the large
+# value is injected relative to it).
+FIT_SCENARIOS = ("none", "inf", "nan")
 WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0",
               "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow",
               "CUDA_VISIBLE_DEVICES": ""}
@@ -104,7 +109,39 @@ def worker(rank: int, world: int, addresses: list[str], job: str) -> dict:
                 out[(wire, scenario)] = (history, _weights(model))
             finally:
                 rtf.shutdown()
+            if scenario in FIT_SCENARIOS:
+                out[(wire, scenario, "fit")] = _fit(keras, tf, rtf, rank, world, addresses,
+                                                    f"{job}-{wire}-{scenario}-fit", wire,
+                                                    scenario)
     return out
+
+
+def _fit(keras, tf, rtf, rank, world, addresses, job, wire, scenario):
+    """The same training through model.fit, whose train step scales the loss."""
+    rtf.init(addresses=addresses, job=job, rank=rank, world_size=world, wire_dtype=wire,
+             timeout=60.0)
+    try:
+        model = _model(keras)
+        opt = rtf.DistributedOptimizer(
+            keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(case.LR)))
+
+        def loss(y_true, y_pred):
+            return case.G * tf.reduce_sum(tf.cast(y_pred, tf.float32) * case.C, axis=-1)
+
+        model.compile(optimizer=opt, loss=loss, jit_compile=False)
+        history: list[float] = []
+
+        class Scales(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                history.append(float(opt.dynamic_scale.numpy()))
+
+        xs = np.concatenate([case.batch(k, rank, scenario, INITIAL_SCALE, LARGE)
+                             for k in range(case.STEPS)])
+        model.fit(xs, np.zeros((case.STEPS, case.OUT), np.float32), batch_size=1,
+                  shuffle=False, verbose=0, callbacks=[Scales()])
+        return history, _weights(model)
+    finally:
+        rtf.shutdown()
 
 
 def test_every_rank_skips_together_as_the_wire_range_says(daemons):
@@ -126,6 +163,12 @@ def test_every_rank_skips_together_as_the_wire_range_says(daemons):
             error = np.abs(got[0][1].astype(np.float64) - weights).max()
             print(f"{wire} {scenario}: history {history}, error {error:.3g} <= bound {bound:.3g}")
             assert error <= bound, (wire, scenario, error, bound)
+            if scenario in FIT_SCENARIOS:
+                fit = [results[rank][(wire, scenario, "fit")] for rank in range(case.WORLD)]
+                assert fit[0][0] == fit[1][0] == history, (wire, scenario, "fit", fit[0][0])
+                assert np.array_equal(fit[0][1], fit[1][1])
+                fit_error = np.abs(fit[0][1].astype(np.float64) - weights).max()
+                assert fit_error <= bound, (wire, scenario, "fit", fit_error, bound)
     e4m3 = case.expected_history("fp8_e4m3", "none", INITIAL_SCALE, LARGE)
     assert e4m3[:3] == [2.0 ** 14, 2.0 ** 13, 2.0 ** 13]  # 1321, 660 > 464; 330 fits
     assert case.expected_history("fp8_e5m2", "large", INITIAL_SCALE, LARGE)[case.INJECT] \
