@@ -10,8 +10,8 @@ beyond 61440), and one element only rank 1 makes too large (1e5: beyond
 both FP8 formats, within int8). Every worker must get the same bits: the
 reducer's definition, each contribution quantized, summed in float32, the
 sum quantized (computed here with reducer_wire.quant's NumPy reference),
-which is the wire's overflow where the contract says (E5M2 +-Inf, E4M3 NaN
-with the sign; int8 carries float32's range).
+which is the wire's overflow where the contract says (E5M2 +-Inf, E4M3 NaN,
+written positive; int8 carries float32's range).
 """
 
 from __future__ import annotations
@@ -87,9 +87,8 @@ def test_sums_beyond_the_range_arrive_non_finite_on_every_rank(tmp_path, monkeyp
         elif wire == "fp8_e5m2":  # 600, -600, 2, 200 carried; the rest Inf with its sign
             assert np.isfinite(head[:4]).all(), (mode, head)
             assert head[4:].tolist() == [np.inf, -np.inf, np.inf], (mode, head)
-        else:  # E4M3 has no infinity: its overflow is NaN, with the sign
+        else:  # E4M3 has no infinity: its overflow is NaN, always positive
             assert np.isnan(head[[0, 1, 4, 5, 6]]).all(), (mode, head)
-            assert np.signbit(head[[0, 1, 4, 5, 6]]).tolist() == [False, True, False, True,
-                                                                  False], (mode, head)
+            assert not np.signbit(head[[0, 1, 4, 5, 6]]).any(), (mode, head)
             assert np.isfinite(head[[2, 3]]).all(), (mode, head)
         assert np.isfinite(got[7:]).all(), (mode, wire)  # the ordinary values

@@ -3,9 +3,10 @@
  * (reducer_wire/quant.py holds the definition and the NumPy reference; the
  * same bits here):
  *   nearest even; a finite value that rounds beyond the largest finite
- *   overflows as IEEE rounding does, never saturates: to E5M2 Inf, or E4M3
- *   NaN (E4M3 has no infinity), so a loss scaler sees it; NaN -> the
- *   format's NaN, Inf -> E5M2 Inf or E4M3 NaN, sign kept; decoding is exact.
+ *   overflows as IEEE rounding does, never saturates: to E5M2 Inf with its
+ *   sign, or E4M3 NaN (E4M3 has no infinity), so a loss scaler sees it;
+ *   Inf -> E5M2 Inf with its sign or E4M3 NaN; every NaN written is
+ *   positive; decoding is exact.
  * The loops are written once (always-inline bodies) and compiled twice: for
  * the baseline x86-64 (or any CPU) and for AVX2, chosen at run time, where
  * the compiler vectorises them. Where it does that poorly there are
@@ -39,7 +40,9 @@ INLINE uint32_t fp8_from_bits(uint32_t bits, int mbits, int bias, uint32_t overf
     /* Overflow, Inf among it: what Inf becomes. */
     code = pick_bits(mask_if(!below(magnitude, overflow_bits)), inf_code, code);
     code = pick_bits(mask_if(below(0x7F800000u, magnitude)), nan_code, code);
-    return code | ((bits >> 24) & 0x80u);
+    /* A NaN code is written positive: the daemon's sum of NaNs of both signs
+     * would otherwise take the sign of whichever contribution came first. */
+    return code | pick_bits(mask_if(code == nan_code), 0, (bits >> 24) & 0x80u);
 }
 
 /* The format's fields as constants, so each loop is compiled for one format:
@@ -188,8 +191,10 @@ F16C_PATH static inline __m256i fp8_codes_avx2(__m256i bits, int mbits, int bias
     code = _mm256_blendv_epi8(_mm256_set1_epi32((int)inf_code), code, in_range);
     code = _mm256_blendv_epi8(code, _mm256_set1_epi32((int)nan_code),
                               _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000)));
-    return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(bits, 24),
-                                                  _mm256_set1_epi32(0x80)));
+    __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+    sign = _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_set1_epi32((int)nan_code)),
+                               sign);  /* NaN positive, as fp8_from_bits */
+    return _mm256_or_si256(code, sign);
 }
 
 #define FP8_CODES(v, kind) ((kind) == 0 ? fp8_codes_avx2((v), FP8_ARGS_E4M3) \
@@ -236,8 +241,10 @@ AVX512_PATH static inline __m128i fp8_codes_avx512(__m512i bits, int mbits, int 
         magnitude, _mm512_set1_epi32((int)overflow_bits)), _mm512_set1_epi32((int)inf_code));
     code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(
         magnitude, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32((int)nan_code));
-    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(bits, 24),
-                                                  _mm512_set1_epi32(0x80)));
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+    sign = _mm512_mask_mov_epi32(sign, _mm512_cmpeq_epu32_mask(
+        code, _mm512_set1_epi32((int)nan_code)), _mm512_setzero_si512());  /* NaN positive */
+    code = _mm512_or_si512(code, sign);
     return _mm512_cvtepi32_epi8(code);
 }
 

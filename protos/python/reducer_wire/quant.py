@@ -29,11 +29,12 @@ A value that rounds beyond the largest finite (E4M3: |x| > 464, the midpoint
 above 448, whose tie rounds down to 448's even mantissa; E5M2: |x| >= 61440,
 the midpoint above 57344) overflows, as in the specification's
 non-saturating mode; it is never clipped, so a loss scaler sees it: to
-E5M2 +-Inf (0x7C/0xFC) and, E4M3 having no infinity, to E4M3 NaN with its
-sign (0x7F/0xFF). +-Inf does the same; NaN -> the format's NaN with its
-sign (E4M3 0x7F/0xFF, E5M2 0x7E/0xFE). The daemon's sum is encoded alike:
-a sum beyond the format's range reaches every worker non-finite.
-Decoding is exact.
+E5M2 +-Inf (0x7C/0xFC) and, E4M3 having no infinity, to E4M3 NaN (0x7F).
++-Inf does the same; NaN -> the format's NaN (E4M3 0x7F, E5M2 0x7E). Every
+NaN is written positive, so the daemon's sum of NaNs of both signs does not
+depend on the order its contributions came in. The daemon's sum is encoded
+alike: a sum beyond the format's range reaches every worker non-finite.
+Decoding is exact (a NaN code with the sign bit decodes to a negative NaN).
 """
 
 from __future__ import annotations
@@ -295,7 +296,10 @@ def _fp8_codes(values: np.ndarray, fmt: Fp8Format) -> np.ndarray:
     codes = np.where(magnitude < min_normal_bits, tiny, normal)
     codes = np.where(magnitude >= _OVERFLOW_BITS[fmt.kind], np.uint32(fmt.inf_code), codes)
     codes = np.where(magnitude > np.uint32(0x7F800000), np.uint32(fmt.nan_code), codes)
-    codes |= (bits >> np.uint32(24)) & np.uint32(0x80)
+    # NaN codes positive: a sum of NaNs of both signs would otherwise take the
+    # sign of whichever contribution the daemon added first.
+    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
+    codes |= np.where(codes == np.uint32(fmt.nan_code), np.uint32(0), sign)
     return codes.astype(np.uint8)
 
 
