@@ -268,6 +268,31 @@ static PyTypeObject BatchType = {
     .tp_getset = Batch_getset,
 };
 
+static PyObject *s_offset, *s_numel, *s_daemon; /* interned attribute names */
+
+static long long int_attr(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    long long r = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* A chunk's (offset, numel, daemon): a reducer_wire.layout.Chunk, or a tuple. 0 on error. */
+static int chunk_fields(PyObject *c, long long *off, long long *cnt, long long *d) {
+    if (PyTuple_Check(c) && PyTuple_GET_SIZE(c) >= 3) {
+        *off = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 0));
+        *cnt = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 1));
+        *d = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 2));
+    } else {
+        *off = int_attr(c, s_offset);
+        *cnt = int_attr(c, s_numel);
+        *d = int_attr(c, s_daemon);
+    }
+    if (PyErr_Occurred()) return 0;
+    return 1;
+}
+
 #define ALIGN8(x) (((x) + 7) & ~(size_t)7)
 
 /* encode(job, key, rank, world_size, round, dtype, op, priority, incarnation,
@@ -347,19 +372,12 @@ static PyObject *encode(PyObject *self, PyObject *args, PyObject *kw) {
     int64_t frames_bytes = 0;
     int64_t off_prev_end = -1;
     for (int64_t i = 0; i < n; i++) {
-        PyObject *c = PyList_GET_ITEM(chunks, i);
-        if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) < 3) {
-            PyErr_SetString(PyExc_TypeError, "encode: each chunk is (offset, numel, daemon)");
-            goto fail;
-        }
-        long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 0));
-        long long cnt = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 1));
-        long d = PyLong_AsLong(PyTuple_GET_ITEM(c, 2));
-        if (PyErr_Occurred()) goto fail;
+        long long off, cnt, d;
+        if (!chunk_fields(PyList_GET_ITEM(chunks, i), &off, &cnt, &d)) goto fail;
         if (off < 0 || cnt <= 0 || d < 0 || d >= nlinks || off < off_prev_end
                 || (have_values && (off - base < 0 || off - base + cnt > in_numel))) {
             PyErr_Format(PyExc_ValueError, "encode: chunk %lld (offset %lld, %lld elements, "
-                         "daemon %ld) is out of order or outside the values", (long long)i,
+                         "daemon %lld) is out of order or outside the values", (long long)i,
                          off, cnt, d);
             goto fail;
         }
@@ -401,10 +419,9 @@ static PyObject *encode(PyObject *self, PyObject *args, PyObject *kw) {
     for (int64_t l = 0; l < nlinks; l++) cell[l] = b->link_start[l];
     int64_t at = 0, max_numel = 0;
     for (int64_t i = 0; i < n; i++) {
-        PyObject *c = PyList_GET_ITEM(chunks, i);
-        b->offset[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 0));
-        b->numel[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 1));
-        b->daemon[i] = (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(c, 2));
+        long long off, cnt, d;
+        chunk_fields(PyList_GET_ITEM(chunks, i), &off, &cnt, &d); /* checked above */
+        b->offset[i] = off; b->numel[i] = cnt; b->daemon[i] = (int32_t)d;
         b->order[cell[b->daemon[i]]++] = i;
         if (b->numel[i] > max_numel) max_numel = b->numel[i];
         int64_t data = wire_nbytes(codec, param, b->numel[i]);
@@ -1286,6 +1303,10 @@ PyMODINIT_FUNC PyInit__tcploop(void) {
         codecs[CODEC_INT8] = q->int8; codecs[CODEC_FP8] = q->fp8;
         have_codec[CODEC_INT8] = have_codec[CODEC_FP8] = 1;
     }
+    s_offset = PyUnicode_InternFromString("offset");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_daemon = PyUnicode_InternFromString("daemon");
+    if (!s_offset || !s_numel || !s_daemon) return NULL;
     if (PyType_Ready(&BatchType) < 0 || PyType_Ready(&LoopType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
