@@ -18,13 +18,12 @@ import time
 
 import numpy as np
 import pytest
+from reducer_client.transport import fastpath
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import ShardEncoder, decode_shard, encode_shard
 from reducer_wire.framing import SHARD, STATUS, frame_header, recv_exactly
 from reducer_wire.layout import Chunk
-
-from reducer_client.transport import fastpath
 
 pytestmark = pytest.mark.skipif(not fastpath.available(), reason="the C loop was not built")
 
@@ -276,7 +275,7 @@ def test_a_status_frame_ends_the_link_with_its_code(peer):
     batch = encode(values_for(10, np.dtype(np.float32)), pb.DTYPE_FLOAT32, [Chunk(0, 10, 0)])
     peer.loop.submit(batch, 2, np.zeros(10, np.float32), False, 2, 4)
     peer.read(0)
-    payload = (8).to_bytes(4, "little") + "too many connections".encode()
+    payload = (8).to_bytes(4, "little") + b"too many connections"
     peer.socks[0].sendall(frame_header(STATUS, len(payload)) + payload)
     event = peer.event()
     assert event[:7] == ("down", 0, 8, b"too many connections", 1, 0, 0)
