@@ -35,16 +35,16 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import DecodeError, decode_shard
 from reducer_wire.layout import Chunk
 from reducer_wire.quant import INT8_BLOCK
 
-from reducer_client.errors import ReducerError, status_code_from_value, stream_error
+from reducer_client.errors import ReducerError, status_code_from_value
 from reducer_client.ops import Operation, reply_dtype_problem
 from reducer_client.transport.base import TransportError
 from reducer_client.transport.history import MAX_SLOTS, Message
 from reducer_client.transport.link import DaemonLink
 from reducer_client.transport.order import CREDITS_PER_LINK, MAX_WAIT_S, STALL_S, WINDOW_PER_DAEMON
+from reducer_client.transport.tcp import TcpTransport, stream_end_error
 
 try:
     from reducer_client.transport import _tcploop  # type: ignore[attr-defined]
@@ -71,6 +71,13 @@ def _codecs() -> dict[int, tuple[int, int]]:
              pb.DTYPE_INT8_BLOCK128: (_tcploop.INT8, INT8_BLOCK),
              pb.DTYPE_FP8_E4M3: (_tcploop.FP8, 0), pb.DTYPE_FP8_E5M2: (_tcploop.FP8, 1)}
     return {dtype: entry for dtype, entry in table.items() if _tcploop.available(entry[0])}
+
+
+def plain_tcp(link: DaemonLink) -> TcpTransport | None:
+    """The link's TCP data plane where streams try it first, without TLS: what
+    the loop can carry; else None."""
+    first = link.route()[1]
+    return first if isinstance(first, TcpTransport) and first.plain else None
 
 
 def available() -> bool:
@@ -119,6 +126,7 @@ class FastPath:
         self._dialing = [False] * len(self._links)
         self._dial_after_s = [0.0] * len(self._links)
         self._ports = [0] * len(self._links)  # each C connection's data port
+        self._round_timeout_s = float("inf")  # the shortest the daemons said
         self._closed = False
         self.keys_sent = 0  # keys that went through the loop (tests, diagnostics)
 
@@ -252,11 +260,11 @@ class FastPath:
                 self._done.move_to_end(key)
             self._prune(now_s)
         for link in self._links:
-            link.supersede(key, round_)
+            link.completed_elsewhere(key, round_)
 
     def _prune(self, now_s: float) -> None:
         """Drop what can no longer help (history.py's rule: a round timeout, MAX_SLOTS)."""
-        timeout_s = min((link.history.round_timeout_s or float("inf")) for link in self._links)
+        timeout_s = self._round_timeout_s
         while self._done:
             key, done = next(iter(self._done.items()))
             if done.completed_s >= now_s - timeout_s and len(self._done) <= MAX_SLOTS:
@@ -284,72 +292,53 @@ class FastPath:
 
     def _on_down(self, index: int, code: int, text: bytes, status_frame: int, malformed: int,
                  replied: int, orphans: list[tuple[int, int]]) -> None:
+        """Link `index`'s C connection ended: its open chunks and last completed
+        rounds go to the DaemonLink, which carries on as after a break of its own."""
         link = self._links[index]
         with self._lock:
             self._up[index] = False
             self._all_up = False
             self._dial_after_s[index] = time.monotonic() + RECONNECT_AFTER_S
             closed = self._closed
-        error = self._stream_error(link, code, text, status_frame, malformed, replied)
+        tcp = plain_tcp(link)
+        error = stream_end_error(f"{tcp.host if tcp else '?'}:{self._ports[index]}",
+                                 link.address, code, text, bool(status_frame),
+                                 bool(malformed), bool(replied), tcp)
         if closed:
             return
+        # Redialled once the link's own stream got an answer again (last_error
+        # None), which has then resent the history kept below first.
+        link.last_error = error or ReducerError(
+            grpc.StatusCode.UNAVAILABLE, f"daemon {link.address} ended the stream",
+            retryable=True)
+        now_s = time.monotonic()
+        with self._lock:
+            self._prune(now_s)
+            kept = [(key, done.round, done.batch, done.chunks)
+                    for key, done in self._done.items()]
+        for key, round_, batch, chunks in kept:
+            link.completed_elsewhere(key, round_, [(c.offset, _message(batch, i))
+                                                   for i, c in enumerate(chunks)
+                                                   if c.daemon == index])
         by_token: dict[int, list[int]] = {}
         for token, chunk in orphans:
             by_token.setdefault(token, []).append(chunk)
-        if error is not None and not error.retryable:  # the Python path fails them too
-            for token in by_token:
-                flight = self._flight(token, last=False)
-                if flight is not None:
-                    flight.operation.fail(error)
-            return
-        now_s = time.monotonic()
-        pending = []
         for token, indices in by_token.items():
             flight = self._flight(token, last=False)
             if flight is None:
                 continue
             operation = flight.operation
-            for i in indices:
-                chunk = operation.chunks[i]
-                pending.append(((operation.key, operation.round, chunk.offset),
-                                _message(flight.batch, i), operation.handler(i),
-                                operation.deadline_s))
-        link.adopt(self._resendable(index, now_s), pending, error)
-
-    def _resendable(self, index: int, now_s: float) -> list[tuple[tuple[str, int], int, Message]]:
-        """((key, offset), round, message) of each key's last completed round on
-        link `index`: what a restarted daemon may still need."""
-        with self._lock:
-            self._prune(now_s)
-            kept = [(key, done.round, done.batch, done.chunks)
-                    for key, done in self._done.items()]
-        return [((key, chunk.offset), round_, _message(batch, i))
-                for key, round_, batch, chunks in kept
-                for i, chunk in enumerate(chunks) if chunk.daemon == index]
-
-    def _stream_error(self, link: DaemonLink, code: int, text: bytes, status_frame: int,
-                      malformed: int, replied: int) -> ReducerError | None:
-        """The error the Python stream (tcp.py, link.py) would have ended with;
-        None for a stream the daemon ended with OK."""
-        status = status_code_from_value(code)
-        tcp = link.plain_tcp()
-        port = self._ports[self._links.index(link)]
-        where = f"data port {tcp.host if tcp else link.address}:{port}"
-        if status_frame:
-            if status == grpc.StatusCode.OK:
-                return None
-            if status == grpc.StatusCode.RESOURCE_EXHAUSTED and not replied and tcp is not None:
-                tcp.refused()  # refused for capacity: gRPC for a while
-            details = text.decode("utf-8", "replace")
-        elif malformed:
+            if error is not None and not error.retryable:  # the Python path fails them too
+                operation.fail(error)
+                continue
             try:
-                decode_shard(text)
-                details = f"{where}: malformed reply"
-            except DecodeError as exc:
-                details = f"{where}: malformed reply: {exc}"
-        else:
-            details = f"{where}: {text.decode('utf-8', 'replace')}"
-        return stream_error(status, f"daemon {link.address}: {details}")
+                for i in indices:
+                    chunk = operation.chunks[i]
+                    link.send((operation.key, operation.round, chunk.offset),
+                              _message(flight.batch, i), operation.handler(i),
+                              operation.deadline_s)
+            except ReducerError as exc:  # the client closed meanwhile
+                operation.fail(exc)
 
     # -- connections -------------------------------------------------------------
 
@@ -360,8 +349,7 @@ class FastPath:
                 return
             todo = [i for i in range(len(self._links)) if not self._up[i]
                     and not self._dialing[i] and now_s >= self._dial_after_s[i]
-                    and self._links[i].last_error is None
-                    and not self._links[i].owes_resend]
+                    and self._links[i].last_error is None]
             for i in todo:
                 self._dialing[i] = True
         for i in todo:
@@ -371,11 +359,15 @@ class FastPath:
     def _dial(self, index: int) -> None:
         """Connect link `index` for the loop (its own thread: this blocks)."""
         link = self._links[index]
-        tcp = link.plain_tcp()
+        tcp = plain_tcp(link)
         up = False
         try:
             if tcp is not None:
-                daemon = link.brief_status()
+                daemon = link.route()[0].brief_status()
+                if daemon.round_timeout_s:
+                    with self._lock:
+                        self._round_timeout_s = min(self._round_timeout_s,
+                                                    daemon.round_timeout_s)
                 sock = tcp.dial_plain(daemon)
                 self._ports[index] = daemon.data_port
                 fd = sock.detach()

@@ -38,17 +38,10 @@ from reducer_wire.codec import ShardView
 from reducer_client.env import DATA_PLANES
 from reducer_client.errors import ReducerError, status_code_from_value, stream_error
 from reducer_client.tls import TLSConfig
-from reducer_client.transport.base import (
-    Control,
-    DaemonInfo,
-    NotOffered,
-    Transport,
-    TransportError,
-)
+from reducer_client.transport.base import Control, NotOffered, Transport, TransportError
 from reducer_client.transport.history import Message, SendHistory, Slot
 from reducer_client.transport.order import LinkQueue, Turn
 from reducer_client.transport.real import real_transports
-from reducer_client.transport.tcp import TcpTransport
 
 __all__ = ["DaemonLink", "ReplyHandler", "PendingKey", "real_transports",
            "status_code_from_value", "DATA_PLANES"]
@@ -120,9 +113,6 @@ class DaemonLink:
         # The current stream where it takes direct sends (base.py), with its
         # outbox: valid while that is still self._outbox.
         self._direct: tuple[LinkQueue, Any] | None = None
-        # adopt() took chunks that no answering daemon has had since (fastpath.py
-        # waits for that before it dials its own connection again).
-        self._owed = False
         # Chunks sent directly, and how many of them left a rest (diagnostics).
         self.direct_sends = self.direct_rests = 0
 
@@ -165,72 +155,22 @@ class DaemonLink:
                 return
             self._put(self._outbox, message, turn, priority)
 
-    def plain_tcp(self) -> TcpTransport | None:
-        """Its TCP data plane where that is the first transport tried and runs
-        without TLS (what the C loop can carry, fastpath.py); else None."""
-        first = self._transports[0]
-        return first if isinstance(first, TcpTransport) and first.plain else None
+    def route(self) -> tuple[Control, Transport]:  # the control, the first transport
+        return self._control, self._transports[0]
 
-    def brief_status(self) -> DaemonInfo:
-        """The daemon's brief status (its data port, round timeout); TransportError."""
-        daemon = self._control.brief_status()
-        if daemon.round_timeout_s:
-            with self._lock:
-                self._history.round_timeout_s = daemon.round_timeout_s
-        return daemon
-
-    def streamed_elsewhere(self, transport: str) -> None:
-        """Another path (the C loop) opened a stream to this daemon: counted as
-        one of this link's (reconnects, transport)."""
+    def streamed_elsewhere(self, transport: str) -> None:  # the C loop's stream counts
         with self._lock:
             self._streams_opened += 1
             self.transport = transport
 
-    def supersede(self, key: str, round_: int) -> None:
-        """Round round_ of `key` completed on another path: drop this link's
-        older contributions to it, which a restarted daemon must not get."""
+    def completed_elsewhere(self, key: str, round_: int,
+                            messages: Sequence[tuple[int, Message]] = ()) -> None:
+        """Round round_ of `key` completed on the C loop: drop older contributions to
+        it; keep `messages` ((offset, message)) for the next stream's resend."""
         with self._lock:
             self._history.supersede(key, round_)
-
-    def adopt(self, completed: Sequence[tuple[Slot, int, Message]],
-              pending: Sequence[tuple[PendingKey, Message, ReplyHandler, float]],
-              cause: ReducerError | None) -> None:
-        """Take over what another path to this daemon (the C loop) lost with its
-        connection: `completed` (slot, round, message) joins the history (a
-        restarted daemon may still need it), `pending` (key, message, handler,
-        deadline) waits for its reply; both go out on this link's stream, which
-        opens now, history first, as after a break of its own."""
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                if cause is not None and pending:
-                    self.last_error = cause
-                self._owed = True
-                now = time.monotonic()
-                for slot, round_, message in completed:
-                    self._history.completed(slot, round_, message, now)
-                if self._outbox is None:
-                    self._open_stream()  # resends the history first
-                else:
-                    for _, _, message in completed:
-                        self._put(self._outbox, message)
-                assert self._outbox is not None
-                for key, message, handler, deadline_s in pending:
-                    self._pending[key] = _Pending(handler, message, deadline_s, None)
-                    self._put(self._outbox, message)
-        if closed:
-            error = ReducerError(grpc.StatusCode.CANCELLED, "client is closed")
-            for _, _, handler, _ in pending:
-                _call(handler, None, error)
-        else:
-            log.warning("daemon %s: stream broke (%s); resending %d open and %d completed "
-                        "chunk(s)", self.address, cause.code.name if cause else "ended early",
-                        len(pending), len(completed))
-
-    @property
-    def owes_resend(self) -> bool:
-        """Whether what adopt() took has not yet reached a daemon that answered."""
-        return self._owed
+            for offset, message in messages:
+                self._history.completed((key, offset), round_, message, time.monotonic())
 
     def forget(self, keys: Iterable[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
@@ -371,7 +311,6 @@ class DaemonLink:
             if not reply.error_code:  # any result, a resent one's too: the daemon is back
                 self._retries = 0
                 self.last_error = None
-                self._owed = False
                 if entry is not None:
                     self._history.completed((reply.key, reply.offset), reply.round,
                                             entry.message, now)

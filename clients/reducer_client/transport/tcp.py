@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 import numpy as np
 from reducer_wire.codec import DecodeError, ShardView, decode_shard
+from reducer_wire.codes import status_code_from_value
 from reducer_wire.framing import (
     HELLO,
     MAGIC,
@@ -51,6 +52,7 @@ from reducer_wire.framing import (
 )
 from reducer_wire.tls import TLS_REFUSAL, TlsChannel
 
+from reducer_client.errors import ReducerError, stream_error
 from reducer_client.transport.base import (
     HEADROOM,
     DaemonInfo,
@@ -59,7 +61,8 @@ from reducer_client.transport.base import (
     TransportError,
 )
 
-__all__ = ["StreamBroken", "TcpStream", "TcpTransport", "REFUSED_BACKOFF_S", "dial"]
+__all__ = ["StreamBroken", "TcpStream", "TcpTransport", "REFUSED_BACKOFF_S", "dial",
+           "stream_end_error"]
 
 # After a refusal for capacity, how long gRPC carries this daemon's streams.
 REFUSED_BACKOFF_S = 10.0
@@ -103,6 +106,31 @@ def dial(host: str, port: int, token: str, connect_timeout_s: float,
         sock.close()
         raise
     return sock, io
+
+
+def stream_end_error(where: str, address: str, code: int, text: bytes, status_frame: bool,
+                     malformed: bool, replied: bool, transport: TcpTransport | None,
+                     ) -> ReducerError | None:
+    """The error a TcpStream on data port `where` (host:port) ends with, as the
+    link reports it, for the C loop's connections (fastpath.py): `text` is the
+    STATUS message, the malformed frame, or the break's words. None: the
+    daemon ended the stream with OK."""
+    status = status_code_from_value(code)
+    if status_frame:
+        if status == grpc.StatusCode.OK:
+            return None
+        if status == grpc.StatusCode.RESOURCE_EXHAUSTED and not replied and transport:
+            transport.refused()  # refused for capacity: gRPC for a while
+        details = text.decode("utf-8", "replace")
+    elif malformed:
+        try:
+            decode_shard(text)
+            details = f"data port {where}: malformed reply"
+        except DecodeError as exc:
+            details = f"data port {where}: malformed reply: {exc}"
+    else:
+        details = f"data port {where}: {text.decode('utf-8', 'replace')}"
+    return stream_error(status, f"daemon {address}: {details}")
 
 
 class TcpTransport(Transport):
