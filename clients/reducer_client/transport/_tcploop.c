@@ -490,6 +490,9 @@ typedef struct {
     /* receiving: the header, then the body */
     uint8_t header[FRAME_HEADER]; int header_got;
     uint8_t *body; int64_t body_cap, body_len, body_got; int in_body;
+    /* what one recv brought beyond the part being read: most frames and
+     * headers come out of it, so a reply costs about one system call */
+    uint8_t *rbuf; int64_t rpos, rlen; int drained;
     /* sending: the frame in progress (of cur, or the copied rest in tail) */
     Batch *cur; int64_t cur_chunk; const uint8_t *send_at; int64_t send_left;
     uint8_t *tail; int64_t tail_cap;
@@ -709,15 +712,39 @@ static void on_frame(Loop *L, int64_t l, double now) {
     if (b->answered == b->expected) retire_kind(L, b, EV_DONE);
 }
 
+#define RBUF_BYTES (64 << 10)
+
+/* Up to `want` bytes for dst: from rbuf, else one recv (into dst itself for a
+ * large rest); recv's result otherwise. A recv that came back short drained
+ * the socket: the next asks epoll again (EAGAIN) instead of the kernel. */
+static ssize_t take(link_t *k, uint8_t *dst, int64_t want) {
+    if (k->rpos == k->rlen) {
+        if (k->drained) { errno = EAGAIN; return -1; }
+        if (want >= RBUF_BYTES) {
+            ssize_t got = recv(k->fd, dst, (size_t)want, 0);
+            k->drained = got > 0 && got < want;
+            return got;
+        }
+        ssize_t got = recv(k->fd, k->rbuf, RBUF_BYTES, 0);
+        if (got <= 0) return got;
+        k->rpos = 0; k->rlen = got; k->drained = got < RBUF_BYTES;
+    }
+    int64_t n = k->rlen - k->rpos < want ? k->rlen - k->rpos : want;
+    memcpy(dst, k->rbuf + k->rpos, (size_t)n);
+    k->rpos += n;
+    return (ssize_t)n;
+}
+
 /* Read what link l holds; stop at EAGAIN, after a bounded number of frames, or a break. */
 static void pump_recv(Loop *L, int64_t l, double now) {
     link_t *k = &L->links[l];
+    k->drained = 0; /* epoll says there is more */
     for (int frames = 0; k->up && frames < 256;) {
         ssize_t got;
         if (!k->in_body) {
-            got = recv(k->fd, k->header + k->header_got, FRAME_HEADER - k->header_got, 0);
+            got = take(k, k->header + k->header_got, FRAME_HEADER - k->header_got);
         } else {
-            got = recv(k->fd, k->body + k->body_got, (size_t)(k->body_len - k->body_got), 0);
+            got = take(k, k->body + k->body_got, k->body_len - k->body_got);
         }
         if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) return;
@@ -1082,6 +1109,7 @@ static void Loop_dealloc(Loop *L) {
     if (L->links) loop_shutdown(L);
     for (int64_t l = 0; L->links && l < L->nlinks; l++) {
         free(L->links[l].body); free(L->links[l].tail); free(L->links[l].scratch);
+        free(L->links[l].rbuf);
     }
     free(L->links);
     if (L->epfd >= 0) close(L->epfd);
@@ -1114,6 +1142,10 @@ static PyObject *Loop_attach(Loop *L, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     pthread_mutex_lock(&L->lock);
     link_t *k = &L->links[l];
+    if (k->rbuf == NULL && (k->rbuf = malloc(RBUF_BYTES)) == NULL) {
+        pthread_mutex_unlock(&L->lock);
+        return PyErr_NoMemory();
+    }
     if (k->up || !L->started || L->stop) {
         pthread_mutex_unlock(&L->lock);
         PyErr_Format(PyExc_ValueError, "link %zd is attached already, or the loop is closed", l);
@@ -1126,6 +1158,7 @@ static PyObject *Loop_attach(Loop *L, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     k->fd = fd; k->up = 1; k->replied = 0; k->max_frame = max_frame;
+    k->rpos = k->rlen = 0; k->drained = 0;
     k->header_got = 0; k->in_body = 0; k->cur = NULL; k->send_left = 0; k->out_armed = 0;
     k->waiting = NULL;
     pthread_mutex_unlock(&L->lock);
