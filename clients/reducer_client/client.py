@@ -24,6 +24,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import MAX_NAME_CHARS
 from reducer_wire.layout import Chunk, KeyLayout
 
+from reducer_client import fastpath
 from reducer_client.env import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WIRE_DTYPE,
@@ -40,7 +41,6 @@ from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
 from reducer_client.sending import send_in_python
 from reducer_client.tls import TLSConfig, channel_credentials
-from reducer_client.transport import fastpath
 from reducer_client.transport.link import DaemonLink
 
 __all__ = ["ReducerClient"]

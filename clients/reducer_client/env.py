@@ -22,7 +22,7 @@ otherwise. REDUCER_NODE_LOCAL=0 turns node-local aggregation off.
 REDUCER_WIRE_NUMPY=1 converts to and from the wire dtypes in NumPy instead of
 reducer_wire's C kernels (same bits, slower; for comparison), and so also
 keeps every chunk on the Python path; REDUCER_CLIENT_C_LOOP=0 does only the
-latter (transport/fastpath.py: whole keys through a C loop, the default where
+latter (fastpath.py: whole keys through a C loop, the default where
 it was built).
 
 settings_from_env(mapping) reads that mapping alone and returns every
@@ -158,7 +158,7 @@ def wire_numpy_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 def client_loop_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """REDUCER_CLIENT_C_LOOP=0: keep every chunk on the Python path (the C loop,
-    transport/fastpath.py, is used by default where it was built)."""
+    fastpath.py, is used by default where it was built)."""
     environ = os.environ if environ is None else environ
     return environ.get("REDUCER_CLIENT_C_LOOP", "").strip().lower() not in _FALSE
 

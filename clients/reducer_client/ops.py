@@ -113,7 +113,7 @@ class Operation:
 
     def answered_many(self, count: int) -> None:
         """`count` chunks were answered and widened elsewhere (the C loop,
-        transport/fastpath.py), none of them through handler()."""
+        fastpath.py), none of them through handler()."""
         with self._lock:
             if self.settled or not count:
                 return

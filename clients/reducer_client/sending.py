@@ -1,6 +1,6 @@
 """The Python path of a key's chunks: each encoded, queued and answered
 through its daemon's DaemonLink (transport/link.py), paced by a SendOrder
-(transport/order.py). What the C loop (transport/fastpath.py) does not carry
+(transport/order.py). What the C loop (fastpath.py) does not carry
 goes this way: gRPC, TLS, float64 arrays, keys sent while a C connection is
 down, and everything where the loop was not built or is off.
 """

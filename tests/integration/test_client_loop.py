@@ -1,4 +1,4 @@
-"""The client's C loop (transport/fastpath.py) with real daemons on 127.0.0.1.
+"""The client's C loop (fastpath.py) with real daemons on 127.0.0.1.
 
 Scenarios: several keys from two worker processes whose chunks span three
 daemons, on the loop and on the Python path (REDUCER_CLIENT_C_LOOP=0), with
@@ -16,8 +16,7 @@ import time
 import numpy as np
 import pytest
 from loop_cases import several_keys_worker
-from reducer_client import ReducerClient, ReducerError
-from reducer_client.transport import fastpath
+from reducer_client import ReducerClient, ReducerError, fastpath
 from support import run_workers, start_daemon
 
 pytestmark = pytest.mark.skipif(not fastpath.available(), reason="the C loop was not built")

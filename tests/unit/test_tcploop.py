@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from reducer_client.transport import fastpath
+from reducer_client import fastpath
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import ShardEncoder, decode_shard, encode_shard

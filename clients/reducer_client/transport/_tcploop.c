@@ -37,7 +37,7 @@
 
 #include "../../../protos/python/reducer_wire/_api.h"
 
-/* The wire codecs, by the index Python passes (fastpath.py's CODECS). */
+/* The wire codecs, by the index Python passes (fastpath.py's _codecs()). */
 enum { CODEC_FLOAT32, CODEC_FLOAT16, CODEC_BFLOAT16, CODEC_INT8, CODEC_FP8, CODECS };
 static rw_codec codecs[CODECS];
 static int have_codec[CODECS];
