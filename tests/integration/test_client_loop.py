@@ -133,9 +133,20 @@ def test_a_daemon_killed_mid_key_fails_as_on_the_python_path(tmp_path):
     assert normal[0] == normal[1], (str(loop_error), str(py_error))
 
 
-def test_the_switches_keep_the_python_path(tmp_path):
+def test_the_switches_keep_the_python_path(tmp_path, monkeypatch):
+    """REDUCER_CLIENT_C_LOOP=0, REDUCER_WIRE_NUMPY=1, gRPC, and an extension that
+    was not built: no loop, every key on the Python path, same results."""
     d = start_daemon(log_dir=tmp_path)
     try:
+        with monkeypatch.context() as patched:
+            patched.setattr(fastpath, "_tcploop", None)  # as where no compiler was at hand
+            assert not fastpath.available()
+            with ReducerClient([d.address], job="unbuilt", rank=0, world_size=1,
+                               environ={}) as client:
+                assert client.c_loop is None
+                for _ in range(3):
+                    got = client.allreduce(np.arange(5000, dtype=np.float32), key="k")
+                    assert got.tolist() == np.arange(5000, dtype=np.float32).tolist()
         for environ in (OFF, {"REDUCER_WIRE_NUMPY": "1"}):
             with ReducerClient([d.address], job="off", rank=0, world_size=1,
                                environ=environ) as client:
