@@ -142,7 +142,7 @@ def test_the_switches_keep_the_python_path(tmp_path, monkeypatch):
             patched.setattr(fastpath, "_tcploop", None)  # as where no compiler was at hand
             assert not fastpath.available()
             with ReducerClient([d.address], job="unbuilt", rank=0, world_size=1,
-                               environ={}) as client:
+                               wire_dtype="float32", environ={}) as client:
                 assert client.c_loop is None
                 for _ in range(3):
                     got = client.allreduce(np.arange(5000, dtype=np.float32), key="k")
