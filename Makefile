@@ -15,7 +15,7 @@ FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_qu
 	protos/python/reducer_wire/_fpmode.h \
 	protos/python/reducer_wire/_codec.c protos/python/reducer_wire/_api.h \
 	reducerd/core/_sumpool.c reducerd/core/_sumpool_threads.c reducerd/core/_sumpool_tasks.c \
-	reducerd/core/_sumpool.h
+	reducerd/core/_sumpool.h clients/reducer_client/transport/_tcploop.c
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=

@@ -1,8 +1,9 @@
 """The compiled pieces: reducer_wire._kernels (float16 / bfloat16 conversions in
 C), reducer_wire._quant (the 8-bit wire formats in C, one source per format)
-and reducer_wire._codec (the Shard header parse), and the daemon's
+and reducer_wire._codec (the Shard header parse), the daemon's
 reducerd.core._sumpool (its summing threads in C, over the kernels' C API,
-reducer_wire/_api.h).
+reducer_wire/_api.h) and the client's reducer_client.transport._tcploop (its
+TCP data plane per chunk, over the same C API).
 
 Everything else is declared in pyproject.toml. The extensions are optional:
 where no C compiler is at hand the build goes on without them and
@@ -32,4 +33,8 @@ setup(ext_modules=[
               extra_compile_args=["-O3", "-fvisibility=hidden"], optional=True),
     Extension("reducer_wire._codec", ["protos/python/reducer_wire/_codec.c"],
               extra_compile_args=["-O2"], optional=True),
+    Extension("reducer_client.transport._tcploop",
+              ["clients/reducer_client/transport/_tcploop.c"],
+              depends=["protos/python/reducer_wire/_api.h"],
+              extra_compile_args=["-O2", "-fvisibility=hidden"], optional=True),
 ])

@@ -21,12 +21,14 @@ import grpc
 import numpy as np
 from reducer_wire import convert, dtypes
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.codec import MAX_NAME_CHARS, ShardEncoder
+from reducer_wire.codec import MAX_NAME_CHARS
 from reducer_wire.layout import Chunk, KeyLayout
 
+from reducer_client import fastpath
 from reducer_client.env import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WIRE_DTYPE,
+    client_loop_from_env,
     data_plane_from_env,
     link_gbit_from_env,
     local_settings_from_env,
@@ -37,9 +39,9 @@ from reducer_client.errors import ReducerError
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
+from reducer_client.sending import send_in_python
 from reducer_client.tls import TLSConfig, channel_credentials
 from reducer_client.transport.link import DaemonLink
-from reducer_client.transport.order import CREDITS_PER_LINK, WINDOW_PER_DAEMON, SendOrder
 
 __all__ = ["ReducerClient"]
 
@@ -138,6 +140,11 @@ class ReducerClient:
         self.incarnation = self._node.incarnation if self._node else self.incarnation
         self._inflight = InFlight(self._timeout_error,
                                   self._node.check_deadlines if self._node else None)
+        # Whole keys through the C loop where every link is plain TCP (fastpath.py).
+        self._fast: fastpath.FastPath | None = None
+        if (client_loop_from_env(environ) and fastpath.available() and convert.accelerated()
+                and all(fastpath.plain_tcp(link) is not None for link in self._links)):
+            self._fast = fastpath.FastPath(self._links, job, self._layouts)
 
     def _node_group(self, local_rank: int | None, local_size: int | None,
                     node_local: bool | None, node_rank: int | None,
@@ -185,6 +192,12 @@ class ReducerClient:
     def transports(self) -> list[str | None]:
         """Per daemon, what the last stream used: "tcp", "grpc", or None before any."""
         return [link.transport for link in self._links]
+
+    @property
+    def c_loop(self) -> fastpath.FastPath | None:
+        """The C loop that carries whole keys over plain TCP, or None where it is
+        off (not built, REDUCER_CLIENT_C_LOOP=0, REDUCER_WIRE_NUMPY=1, gRPC or TLS)."""
+        return self._fast
 
     @property
     def links(self) -> list[DaemonLink]:
@@ -252,6 +265,8 @@ class ReducerClient:
         self._inflight.close(ReducerError(grpc.StatusCode.CANCELLED, "client closed"))
         if self._node is not None:
             self._node.close()
+        if self._fast is not None:
+            self._fast.close()
         for link in self._links:
             link.close()
 
@@ -319,44 +334,23 @@ class ReducerClient:
                      priority: int = 0) -> Operation:
         """Send values[c.offset - base:] for every chunk c; replies fill out[c.offset:].
 
-        Each chunk is narrowed straight into the payload of its message (a
-        buffer the link recycles once no one can resend it) and queued on its
-        own, so the first chunks are on the wire while later ones are still
-        converted. values=None sends -0.0 (x + -0.0 == x, also for x = -0.0):
-        a broadcast's non-root ranks.
+        The whole key through the C loop where it can take it (fastpath.py),
+        else chunk by chunk on the Python path (sending.py). values=None
+        sends -0.0 (x + -0.0 == x, also for x = -0.0): a broadcast's non-root ranks.
         """
         operation = Operation(key, round_, out, result, dtype, chunks,
                               time.monotonic() + self.timeout, self._settled)
         if operation.settled:  # no chunks
             return operation
-        # The chunks leave in step across the links (transport/order.py).
-        window = WINDOW_PER_DAEMON * len(self._links)
-        order = (SendOrder(len(chunks), window, credits=CREDITS_PER_LINK)
-                 if len(chunks) > window else None)
-        if order is not None:
-            operation.future.add_done_callback(lambda _: order.release())
         try:
             self._inflight.add(operation)
-            for index, chunk in enumerate(chunks):
-                if operation.settled:  # failed meanwhile: send no more of it
-                    break
-                link = self._links[chunk.daemon]
-                encoder = ShardEncoder(job=self.job, rank=rank, world_size=world_size,
-                                       round=round_, key=key, offset=chunk.offset,
-                                       dtype=dtype, op=op, layout=self._layouts[chunk.daemon],
-                                       data_nbytes=dtypes.wire_nbytes(dtype, chunk.numel),
-                                       priority=priority, incarnation=self.incarnation)
-                message = link.message((key, chunk.offset), encoder.nbytes)
-                payload = encoder.write_into(message.shard)
-                if values is None:
-                    assert dtype == pb.DTYPE_FLOAT32, "only broadcast sends zeros"
-                    np.frombuffer(payload, dtype="<f4").fill(-0.0)
-                else:
-                    begin = chunk.offset - base
-                    convert.to_wire(values[begin:begin + chunk.numel], dtype, out=payload)
-                turn = order.turn(index, chunk.daemon) if order else None
-                link.send((key, round_, chunk.offset), message, operation.handler(index),
-                          operation.deadline_s, turn, priority)
+            if self._fast is not None and self._fast.send(
+                    operation, values, base, list(chunks), rank=rank, world_size=world_size,
+                    op=op, priority=priority, incarnation=self.incarnation):
+                return operation
+            send_in_python(self._links, operation, values, base, chunks, job=self.job,
+                           rank=rank, world_size=world_size, op=op, layouts=self._layouts,
+                           priority=priority, incarnation=self.incarnation)
         except Exception as exc:  # a bug or MemoryError too: fail it, drop what went out
             operation.fail(exc if isinstance(exc, ReducerError) else ReducerError(
                 grpc.StatusCode.INTERNAL, f"key {key!r} round {round_}: sending failed: {exc!r}"))
@@ -369,6 +363,8 @@ class ReducerClient:
     def _settled(self, operation: Operation, error: ReducerError | None) -> None:
         """Stop watching the operation; if it failed, drop its chunks from every link."""
         self._inflight.discard(operation)
+        if self._fast is not None:
+            self._fast.settled(operation, error)
         if error is not None:
             self._forget(operation)
 

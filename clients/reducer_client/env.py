@@ -20,7 +20,10 @@ rank // local size, torchrun's default); REDUCER_NODE_RANK names the node
 otherwise. REDUCER_NODE_LOCAL=0 turns node-local aggregation off.
 
 REDUCER_WIRE_NUMPY=1 converts to and from the wire dtypes in NumPy instead of
-reducer_wire's C kernels (same bits, slower; for comparison).
+reducer_wire's C kernels (same bits, slower; for comparison), and so also
+keeps every chunk on the Python path; REDUCER_CLIENT_C_LOOP=0 does only the
+latter (fastpath.py: whole keys through a C loop, the default where
+it was built).
 
 settings_from_env(mapping) reads that mapping alone and returns every
 setting, the documented defaults where a variable is unset; from_env passes
@@ -36,7 +39,8 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["settings_from_env", "rank_and_size_from_env", "local_settings_from_env",
-           "data_plane_from_env", "link_gbit_from_env", "wire_numpy_from_env", "DATA_PLANES",
+           "data_plane_from_env", "link_gbit_from_env", "wire_numpy_from_env",
+           "client_loop_from_env", "DATA_PLANES",
            "DEFAULT_WIRE_DTYPE", "DEFAULT_TIMEOUT_S"]
 
 # How shards may travel (ReducerClient(data_plane=...), REDUCER_DATA_PLANE).
@@ -150,6 +154,13 @@ def wire_numpy_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """REDUCER_WIRE_NUMPY=1: convert in NumPy instead of reducer_wire's C kernels."""
     environ = os.environ if environ is None else environ
     return environ.get("REDUCER_WIRE_NUMPY", "") not in ("", "0")
+
+
+def client_loop_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """REDUCER_CLIENT_C_LOOP=0: keep every chunk on the Python path (the C loop,
+    fastpath.py, is used by default where it was built)."""
+    environ = os.environ if environ is None else environ
+    return environ.get("REDUCER_CLIENT_C_LOOP", "").strip().lower() not in _FALSE
 
 
 def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:

@@ -26,7 +26,7 @@ from reducer_wire.layout import Chunk
 from reducer_client.errors import ReducerError
 from reducer_client.transport.link import ReplyHandler
 
-__all__ = ["Operation", "InFlight", "SettleCallback"]
+__all__ = ["Operation", "InFlight", "SettleCallback", "reply_dtype_problem"]
 
 log = logging.getLogger("reducer_client")
 
@@ -38,6 +38,12 @@ SettleCallback = Callable[["Operation", ReducerError | None], None]
 # not in it when the caller reads them, and plain stores would read every
 # line before writing it (a 64 MiB float32 output: 6.4 ms against 3.6 here).
 STREAM_OUTPUT_BYTES = 4 << 20
+
+
+def reply_dtype_problem(got: int, expected: int) -> str:
+    """What a reply of another wire dtype than its chunk's is told with."""
+    return (f"reply has wire dtype {dtypes.DTYPE_NAMES.get(got, got)}, expected "
+            f"{dtypes.DTYPE_NAMES.get(expected, expected)}")
 
 
 class Operation:
@@ -78,6 +84,9 @@ class Operation:
                 return
             if self.settled:
                 return  # failed already: leave the caller's buffer alone
+            if reply.dtype != self.dtype:
+                self.fail(self._error(chunk, reply_dtype_problem(reply.dtype, self.dtype)))
+                return
             expected = dtypes.wire_nbytes(self.dtype, chunk.numel)
             if len(reply.data) != expected:
                 self.fail(self._error(chunk, f"reply has {len(reply.data)} bytes, "
@@ -101,6 +110,22 @@ class Operation:
             self._settle(None)
 
         return on_reply
+
+    def answered_many(self, count: int) -> None:
+        """`count` chunks were answered and widened elsewhere (the C loop,
+        fastpath.py), none of them through handler()."""
+        with self._lock:
+            if self.settled or not count:
+                return
+            self.remaining -= count
+            if self.remaining:
+                return
+            self.settled = True
+        self._settle(None)
+
+    def chunk_error(self, index: int, problem: str) -> ReducerError:
+        """The error of chunk `index` whose reply is wrong: `problem` says how."""
+        return self._error(self.chunks[index], problem)
 
     def fail(self, error: ReducerError) -> bool:
         """Fail the operation unless it is settled already; True if this call did."""

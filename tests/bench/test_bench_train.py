@@ -18,6 +18,7 @@ import pytest
 
 from reducerd.bench.train.cli import UsageError, config_from_argv
 from reducerd.bench.train.config import Accelerator, TrainConfig, layer_times, scaled_numel
+from reducerd.bench.train.report import comm_theory
 from reducerd.bench.train.specs import bert_large, resnet50, tiny
 
 CONTRACT_KEYS = {"system", "model", "workers", "step_time_s", "samples_per_s",
@@ -83,6 +84,51 @@ def test_time_scale_keeps_compute_and_communication_in_the_real_ratio():
     assert ratio_emulated == pytest.approx(ratio_real, rel=1e-3)  # rounding up tiny tensors
     assert config.bucket_bytes == (25 << 20) // 100
     assert config_from_argv(["--train", "tiny"]).time_scale == 1.0  # loopback
+
+
+def test_the_cloud_link_keeps_its_own_ratio_and_the_theory_follows_it():
+    """--real-link 25gbit: time scaled 4x less than at 100 Gbit/s for the same
+    emulated link; the theory per link is a ring's 2(N-1)/N of the gradient
+    and reducerd's 1x, at the emulated rate and in the real setting."""
+    fast = config_from_argv(["--train", "bert-large", "--emulate-cluster", "200mbit"])
+    cloud = config_from_argv(["--train", "bert-large", "--emulate-cluster", "200mbit",
+                              "--real-link", "25gbit"])
+    assert cloud.real_link_bytes_per_s == 25e9 / 8
+    assert cloud.time_scale == pytest.approx(fast.time_scale / 4)  # 25 / 0.2 / 100
+    scaled = sum(scaled_numel(p.numel, cloud.byte_scale) for p in cloud.spec.params)
+    ring = comm_theory(cloud, "gloo-ddp-float16", 8)
+    ours = comm_theory(cloud, "reducerd-ddp", 8)
+    assert ring["link_factor"] == 1.75 and ours["link_factor"] == 1.0
+    assert ring["comm_theory_s"] == pytest.approx(2 * scaled * 1.75 / 25e6)
+    assert ours["comm_theory_s"] == pytest.approx(2 * scaled / 25e6)  # float16 wire
+    assert ours["real_comm_theory_s"] == pytest.approx(
+        2 * cloud.spec.param_count / (25e9 / 8))
+    assert comm_theory(fast, "reducerd-ddp", 8)["real_comm_theory_s"] == pytest.approx(
+        ours["real_comm_theory_s"] / 4)
+    assert comm_theory(config_from_argv(["--train", "tiny"]), "reducerd-ddp", 2)[
+        "comm_theory_s"] is None  # loopback: no line rate
+
+
+@pytest.mark.timeout(120)
+def test_tiny_run_at_the_cloud_ratio_prints_the_theory(tmp_path: Path):
+    """The smallest real run with --real-link 25gbit: the JSON records the link,
+    each result its theory, and the table prints them."""
+    out = tmp_path / "train.json"
+    done = _run_bench("--train", "tiny", "--workers", "3", "--systems",
+                      "reducerd-ddp,gloo-ddp-float16", "--steps", "2", "--warmup", "1",
+                      "--comm-steps", "1", "--byte-scale", "1", "--real-link", "25gbit",
+                      "--json", str(out), "--stall-timeout", "60")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["real_link_bytes_per_s"] == 25e9 / 8
+    params = data["config"]["param_count"]
+    factors = {"reducerd-ddp": 1.0, "gloo-ddp-float16": 4 / 3}
+    for r in data["results"]:
+        assert r["link_factor"] == pytest.approx(factors[r["system"]])
+        assert r["real_comm_theory_s"] == pytest.approx(
+            2 * params * factors[r["system"]] / (25e9 / 8))
+        assert r["comm_theory_s"] is None
+    assert "real theory ms" in done.stdout and "25 Gbit/s" in done.stdout
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -42,9 +42,11 @@ def training_worker(rank: int, world_size: int, addresses: list[str], steps: int
 
 def suicidal_worker(rank: int, world_size: int, addresses: list[str], victim: int,
                     round_timeout_s: float) -> dict:
-    """All ranks do one good round; then `victim` dies (SIGKILL) mid-round."""
+    """All ranks do one good round; then `victim` dies (SIGKILL) mid-round.
+    The Python path (REDUCER_CLIENT_C_LOOP=0): the victim's half-sent round is
+    made by muting one DaemonLink, which the C loop would not go through."""
     with ReducerClient(addresses, job="kill", rank=rank, world_size=world_size,
-                       timeout=30) as client:
+                       timeout=30, environ={"REDUCER_CLIENT_C_LOOP": "0"}) as client:
         x = np.ones(1 << 20, dtype=np.float32)
         client.allreduce(x, key="grads")
         if rank == victim:

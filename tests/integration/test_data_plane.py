@@ -273,7 +273,8 @@ def test_chunks_sent_directly_and_their_rests_arrive_whole(daemon_big):
     """A chunk whose link's sender is idle leaves from the caller's thread in one
     non-blocking send (transport/base.py: direct sends); what the socket does
     not take (a 4 MiB chunk against TCP_NOTSENT_LOWAT's 128 KiB) goes first
-    through the sender. Sums stay exact either way."""
+    through the sender. Sums stay exact either way. The Python path's own
+    mechanism: the C loop is off (REDUCER_CLIENT_C_LOOP=0)."""
     from concurrent.futures import ThreadPoolExecutor
 
     world = 2
@@ -281,7 +282,7 @@ def test_chunks_sent_directly_and_their_rests_arrive_whole(daemon_big):
     def rank(r: int) -> tuple[list[np.ndarray], int, int]:
         with ReducerClient([daemon_big.address], job="direct", rank=r, world_size=world,
                            wire_dtype="float32", data_plane="tcp", chunk_bytes=4 << 20,
-                           timeout=30) as client:
+                           timeout=30, environ={"REDUCER_CLIENT_C_LOOP": "0"}) as client:
             results = [client.allreduce(np.full(1001, r + i, np.float32), f"small-{i}", "sum")
                        for i in range(20)]
             big = np.arange(1 << 20, dtype=np.float32) * (r + 1)

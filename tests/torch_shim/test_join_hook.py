@@ -5,7 +5,8 @@ DDP rebuilds its buckets in the second forward, with a process-group
 broadcast that a joined rank would not follow). Each trains a
 DistributedDataParallel model whose gradients go through
 rt.allreduce_hook (several buckets), with a plain torch SGD with momentum,
-until it runs out of batches, then calls rt.join(). The joined ranks send
+inside rt.Join() until it runs out of batches, then joins on leaving
+it. The joined ranks send
 zeros for every bucket, so at each step the gradient must be the mean over
 the ranks still in (not over the world size), and after join every rank
 must hold the model of one float64 process that trained, at each step, on
@@ -42,9 +43,19 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def hook_worker(rank: int, world_size: int, addresses: list[str], init_file: str,
-                job: str, steps_of: list[int]) -> dict:
+                job: str, steps_of: list[int], inside_join: bool = True) -> dict:
     import reducer_client.torch as rt
+    from reducer_client import collectives as coll
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    control_rounds = []  # the hook's, counted: only inside rt.Join() are there any
+    real_control = coll.control_async
+
+    def counting_control(reducer, call):
+        if call.kind == coll.STEP:
+            control_rounds.append(call)
+        return real_control(reducer, call)
+    coll.control_async = counting_control
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -60,17 +71,19 @@ def hook_worker(rank: int, world_size: int, addresses: list[str], init_file: str
             return rt.allreduce_hook(state, bucket)
         model.register_comm_hook(state=None, hook=counting_hook)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        for step in range(steps_of[rank]):
-            opt.zero_grad()
-            x, y = _batch(rank, step)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        last = rt.join()
+        with rt.Join(enable=inside_join) as joined:
+            for step in range(steps_of[rank]):
+                opt.zero_grad()
+                x, y = _batch(rank, step)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        last = joined.last
         params = [p.detach().numpy().copy() for p in model.module.parameters()]
     finally:
         rt.shutdown()
         dist.destroy_process_group()
-    return {"last": last, "params": params, "buckets": len(buckets)}
+    return {"last": last, "params": params, "buckets": len(buckets),
+            "control_rounds": len(control_rounds)}
 
 
 def _reference(steps_of: list[int], divide_by_world: bool) -> tuple[list[np.ndarray], float]:
@@ -121,6 +134,23 @@ def test_hook_join_matches_one_process_on_the_union(daemons, tmp_path, steps_of)
         for got, ref in zip(out["params"], want, strict=True):
             assert float(np.abs(got - ref).max()) <= bound, (rank, np.abs(got - ref).max(),
                                                               bound)
+        assert out["control_rounds"] > 0
     for out in results[1:]:  # the joined ranks hold the last joiner's model exactly
         for got, first in zip(out["params"], results[0]["params"], strict=True):
             np.testing.assert_array_equal(got, first)
+
+
+def test_outside_join_the_hook_sends_no_control_round(daemons, tmp_path):
+    """Even inputs, no rt.Join(): the buckets go alone, and the model is the
+    one float64 process's on the union within the same bound."""
+    steps_of = [3, 3]
+    with daemons(2) as d:
+        results = run_workers(hook_worker, 2, (d.addresses, str(tmp_path / "pg"),
+                                               uuid.uuid4().hex, steps_of, False),
+                              timeout=180)
+    want, max_grad = _reference(steps_of, divide_by_world=False)
+    bound = 2 * (16 * EPS32 * 3 * LR * max_grad / (1 - MOMENTUM) + EPS32)
+    for out in results:
+        assert out["control_rounds"] == 0 and out["last"] is None
+        for got, ref in zip(out["params"], want, strict=True):
+            assert float(np.abs(got - ref).max()) <= bound

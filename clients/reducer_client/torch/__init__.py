@@ -80,7 +80,7 @@ from reducer_client.torch.compat import (
     broadcast_parameters,
 )
 from reducer_client.torch.hooks import HookState, allreduce_hook
-from reducer_client.torch.join import join
+from reducer_client.torch.join import Join, join
 from reducer_client.torch.optimizer import DEFAULT_BUCKET_BYTES
 
 # Bound once in reducer_client.process, as Horovod binds its basics into each
@@ -135,6 +135,7 @@ __all__ = [
     "is_homogeneous",
     "is_initialized",
     "join",
+    "Join",
     "local_rank",
     "local_size",
     "mpi_built",

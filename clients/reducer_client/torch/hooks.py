@@ -8,7 +8,8 @@ backward, so the reduction overlaps the rest of the backward pass. DDP's
 own process group is still needed for what DDP does besides reducing
 gradients (the initial broadcast of parameters, bucket rebuilding).
 
-join (rt.join(), Horovod's hvd.join()): each bucket's reduction goes with a
+join (opt-in, as PyTorch's Join: ranks with uneven inputs train inside
+`with rt.Join():`, which joins on leaving it): there each bucket's reduction goes with a
 control round (reducer_client.collectives, a STEP call naming the bucket's
 index and size), so a rank that has joined learns of every bucket the
 others reduce and sends zeros for it under the bucket's key; "mean" then
@@ -181,6 +182,27 @@ def _joinable(reducer: Reducer) -> _Joinable:
         return joinable
 
 
+# Reducers whose rank trains inside rt.Join() now (join.py), with how many
+# Join blocks are open on each; _joining_lock guards it (the training thread
+# enters and leaves, autograd threads read it in the hook).
+_joining_count: dict[int, int] = {}
+_joining_lock = threading.Lock()
+
+
+def _joining(reducer: Reducer) -> bool:
+    return id(reducer) in _joining_count
+
+
+def joining_block(reducer: Reducer, opened: bool) -> None:
+    """A Join block opens (opened) or closes for `reducer` (join.py)."""
+    with _joining_lock:
+        left = _joining_count.get(id(reducer), 0) + (1 if opened else -1)
+        if left:
+            _joining_count[id(reducer)] = left
+        else:
+            _joining_count.pop(id(reducer), None)
+
+
 def _bucket_key(slot: int, index: int) -> str:
     """Bucket `index` of the model in `slot` (the first model's keys are the
     one-model keys of before)."""
@@ -293,8 +315,10 @@ def allreduce_hook(state: HookState | Reducer | None, bucket: _GradBucket,
         complete()
 
     try:
-        # One rank has nobody to join: no control round.
-        control = coll.control_async(reducer, call) if world > 1 else None
+        # Only inside Join() (join.py) can a rank join: elsewhere no control
+        # round (it cost a bucket a round trip of its own); one rank has nobody.
+        control = (coll.control_async(reducer, call) if world > 1 and _joining(reducer)
+                   else None)
         data = staging.start(reducer, buffer, key, "mean")
         if control is None:
             data.add_done_callback(lambda done: finish(done, None))

@@ -77,6 +77,8 @@ class SendHistory:
         self.round_timeout_s: float | None = None
         # Oldest completion first (each completion moves its slot to the end).
         self._slots: OrderedDict[Slot, _Slot] = OrderedDict()
+        # key -> how many of its slots are kept (supersede() finds them at once).
+        self._keys: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -94,6 +96,7 @@ class SendHistory:
         entry = self._slots.get(slot)
         if entry is None:
             self._slots[slot] = _Slot(round_, message, now_s)
+            self._keys[slot[0]] = self._keys.get(slot[0], 0) + 1
         elif round_ >= entry.round:
             old = entry.message
             entry.round, entry.message, entry.completed_s = round_, message, now_s
@@ -114,7 +117,24 @@ class SendHistory:
             expired = timeout_s is not None and entry.completed_s < alive_s - timeout_s
             if not expired and len(self._slots) <= self.max_slots:
                 return
-            del self._slots[slot]
+            self._drop(slot)
+
+    def _drop(self, slot: Slot) -> None:
+        del self._slots[slot]
+        left = self._keys[slot[0]] - 1
+        if left:
+            self._keys[slot[0]] = left
+        else:
+            del self._keys[slot[0]]
+
+    def supersede(self, key: str, round_: int) -> None:
+        """Round round_ of `key` completed elsewhere (the C loop's own
+        connection): drop this key's older contributions, which a restarted
+        daemon must not be sent; nothing to do (no scan) for a key not kept."""
+        if key not in self._keys:
+            return
+        for slot in [s for s, e in self._slots.items() if s[0] == key and e.round < round_]:
+            self._drop(slot)
 
     def resendable(self, alive_s: float) -> list[Message]:
         """After a break: the contributions a restarted daemon may still need."""

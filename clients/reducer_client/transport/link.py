@@ -155,6 +155,23 @@ class DaemonLink:
                 return
             self._put(self._outbox, message, turn, priority)
 
+    def route(self) -> tuple[Control, Transport]:  # the control, the first transport
+        return self._control, self._transports[0]
+
+    def streamed_elsewhere(self, transport: str) -> None:  # the C loop's stream counts
+        with self._lock:
+            self._streams_opened += 1
+            self.transport = transport
+
+    def completed_elsewhere(self, key: str, round_: int,
+                            messages: Sequence[tuple[int, Message]] = ()) -> None:
+        """Round round_ of `key` completed on the C loop: drop older contributions to
+        it; keep `messages` ((offset, message)) for the next stream's resend."""
+        with self._lock:
+            self._history.supersede(key, round_)
+            for offset, message in messages:
+                self._history.completed((key, offset), round_, message, time.monotonic())
+
     def forget(self, keys: Iterable[PendingKey]) -> None:
         """Stop waiting for these chunks (their operation failed or timed out)."""
         with self._lock:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 import numpy as np
 from reducer_wire.codec import DecodeError, ShardView, decode_shard
+from reducer_wire.codes import status_code_from_value
 from reducer_wire.framing import (
     HELLO,
     MAGIC,
@@ -51,6 +52,7 @@ from reducer_wire.framing import (
 )
 from reducer_wire.tls import TLS_REFUSAL, TlsChannel
 
+from reducer_client.errors import ReducerError, stream_error
 from reducer_client.transport.base import (
     HEADROOM,
     DaemonInfo,
@@ -59,7 +61,8 @@ from reducer_client.transport.base import (
     TransportError,
 )
 
-__all__ = ["StreamBroken", "TcpStream", "TcpTransport", "REFUSED_BACKOFF_S"]
+__all__ = ["StreamBroken", "TcpStream", "TcpTransport", "REFUSED_BACKOFF_S", "dial",
+           "stream_end_error"]
 
 # After a refusal for capacity, how long gRPC carries this daemon's streams.
 REFUSED_BACKOFF_S = 10.0
@@ -75,6 +78,59 @@ StreamBroken = TransportError
 _FRAME_HEADER_BYTES = len(frame_header(SHARD, 0))
 assert _FRAME_HEADER_BYTES <= HEADROOM
 _FRAME_START = HEADROOM - _FRAME_HEADER_BYTES  # where a request item's frame begins
+
+
+def dial(host: str, port: int, token: str, connect_timeout_s: float,
+         tls_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
+         ) -> tuple[socket.socket, socket.socket | TlsChannel]:
+    """A connection to a data port, tuned, greeted (MAGIC, HELLO with the token),
+    over TLS with tls_context: (the socket, what to send and receive on). OSError
+    (ssl.SSLError for TLS) when the port is unreachable or refuses us."""
+    sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    io: socket.socket | TlsChannel = sock
+    try:
+        sock.settimeout(None)
+        tune_socket(sock)
+        if _NOTSENT_LOWAT is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
+        if tls_context is not None:
+            channel = TlsChannel(sock, tls_context, server_side=False,
+                                 server_hostname=server_hostname or host)
+            set_receive_tick(sock, 0.25)  # the handshake's deadline is checked
+            channel.handshake(time.monotonic() + connect_timeout_s)
+            set_receive_tick(sock, None)
+            io = channel
+        token_bytes = token.encode()
+        io.sendall(MAGIC + frame_header(HELLO, len(token_bytes)) + token_bytes)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, io
+
+
+def stream_end_error(where: str, address: str, code: int, text: bytes, status_frame: bool,
+                     malformed: bool, replied: bool, transport: TcpTransport | None,
+                     ) -> ReducerError | None:
+    """The error a TcpStream on data port `where` (host:port) ends with, as the
+    link reports it, for the C loop's connections (fastpath.py): `text` is the
+    STATUS message, the malformed frame, or the break's words. None: the
+    daemon ended the stream with OK."""
+    status = status_code_from_value(code)
+    if status_frame:
+        if status == grpc.StatusCode.OK:
+            return None
+        if status == grpc.StatusCode.RESOURCE_EXHAUSTED and not replied and transport:
+            transport.refused()  # refused for capacity: gRPC for a while
+        details = text.decode("utf-8", "replace")
+    elif malformed:
+        try:
+            decode_shard(text)
+            details = f"data port {where}: malformed reply"
+        except DecodeError as exc:
+            details = f"data port {where}: malformed reply: {exc}"
+    else:
+        details = f"data port {where}: {text.decode('utf-8', 'replace')}"
+    return stream_error(status, f"daemon {address}: {details}")
 
 
 class TcpTransport(Transport):
@@ -119,6 +175,37 @@ class TcpTransport(Transport):
         self._streams.add(stream)
         return stream
 
+    @property
+    def plain(self) -> bool:
+        """Whether its streams are plain TCP (no TLS): what the C loop can carry."""
+        return self._tls_context is None
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._max_message_bytes
+
+    def dial_plain(self, daemon: DaemonInfo) -> socket.socket:
+        """A greeted plain connection to the daemon's data port for a caller that
+        drives it itself (the C loop, fastpath.py); NotOffered as open() says."""
+        if not self.plain:
+            raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION, "the data plane runs over TLS")
+        if not daemon.data_port:
+            raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION,
+                             "the daemon offers no TCP data plane", quiet=True)
+        if time.monotonic() < self._refused_until_s:
+            raise NotOffered(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"data port {daemon.data_port} refused a stream for capacity lately")
+        try:
+            sock, _ = dial(self.host, daemon.data_port, self._token, self._connect_timeout_s)
+        except OSError as exc:
+            raise NotOffered(grpc.StatusCode.UNAVAILABLE,
+                             f"cannot connect to data port {daemon.data_port}: {exc}") from None
+        return sock
+
+    def refused(self) -> None:
+        """A stream on the data port was refused for capacity: gRPC for a while."""
+        self._refused()
+
     def _refused(self) -> None:
         self._refused_until_s = time.monotonic() + REFUSED_BACKOFF_S
 
@@ -155,25 +242,8 @@ class TcpStream:
     def connect(self) -> None:
         """Open the connection (TLS too, where given) and say hello; OSError
         (ssl.SSLError for TLS) when the port is unreachable or refuses us."""
-        sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
-        io: socket.socket | TlsChannel = sock
-        try:
-            sock.settimeout(None)
-            tune_socket(sock)
-            if _NOTSENT_LOWAT is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
-            if self._tls_context is not None:
-                channel = TlsChannel(sock, self._tls_context, server_side=False,
-                                     server_hostname=self._server_hostname)
-                set_receive_tick(sock, 0.25)  # the handshake's deadline is checked
-                channel.handshake(time.monotonic() + self._connect_timeout_s)
-                set_receive_tick(sock, None)
-                io = channel
-            token = self._token.encode()
-            io.sendall(MAGIC + frame_header(HELLO, len(token)) + token)
-        except BaseException:
-            sock.close()
-            raise
+        sock, io = dial(self.host, self.port, self._token, self._connect_timeout_s,
+                        self._tls_context, self._server_hostname)
         self._sock, self._io = sock, io
         threading.Thread(target=self._send, args=(io,), daemon=True,
                          name=f"reducer-tcp-send-{self.host}:{self.port}").start()

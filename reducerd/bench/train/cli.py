@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fraction of the peak a step reaches (default: the model's; "
                              "resnet50 0.25, bert-large 0.40)")
     parser.add_argument("--real-link", default="100gbit", metavar="RATE",
-                        help="each worker's link in the real setting (default 100gbit)")
+                        help="each worker's link in the real setting (default 100gbit; "
+                             "25gbit: the common cloud one), whose ratio of compute to "
+                             "communication --time-scale keeps")
     parser.add_argument("--byte-scale", type=float, default=100.0, metavar="S",
                         help="every gradient tensor S times smaller (default 100)")
     parser.add_argument("--time-scale", type=float, metavar="T",

@@ -25,11 +25,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from reducer_wire import dtypes
 from rich.console import Console
 from rich.table import Table
 
 from reducerd import __version__
-from reducerd.bench.train.config import TrainConfig
+from reducerd.bench.train.config import TrainConfig, scaled_numel
 from reducerd.bench.units import format_ms
 
 __all__ = ["aggregate", "render_tables", "write_json", "write_plot", "BASELINE"]
@@ -41,6 +42,39 @@ def _per_step(ranks: dict[int, dict[str, Any]], phase: str, field: str) -> list[
     """The field of each step, the largest over ranks."""
     series = [r["result"][phase] for r in ranks.values()]
     return [max(s[i][field] for s in series) for i in range(min(len(s) for s in series))]
+
+
+def wire_bytes_per_param(config: TrainConfig, system: str) -> float:
+    """Bytes a parameter's gradient takes on the system's wire (the 8-bit
+    wires' scales included)."""
+    if system == "gloo-ddp-float32":
+        return 4.0
+    if system == "gloo-ddp-float16":
+        return 2.0
+    wire = dtypes.WIRE_DTYPES[config.wire_dtype]
+    block = dtypes.wire_block(wire)
+    return dtypes.wire_nbytes(wire, block) / block
+
+
+def link_factor(system: str, workers: int) -> float:
+    """The gradient's share each link carries each way: a ring's 2(N-1)/N, the
+    daemons' 1 (each worker sends its gradient once and receives the sum once)."""
+    if workers == 1:
+        return 0.0
+    return 2 * (workers - 1) / workers if system.startswith("gloo-") else 1.0
+
+
+def comm_theory(config: TrainConfig, system: str, workers: int) -> dict[str, float | None]:
+    """The line-rate bound of a step's communication: at the emulated links'
+    rate with the scaled gradient (None on loopback, which has no line rate),
+    and in the real setting (the whole gradient over --real-link)."""
+    spec = config.spec
+    per_param = wire_bytes_per_param(config, system) * link_factor(system, workers)
+    scaled = sum(scaled_numel(p.numel, config.byte_scale) for p in spec.params)
+    rate = config.rate_bytes_per_s
+    return {"link_factor": link_factor(system, workers),
+            "comm_theory_s": scaled * per_param / rate if rate else None,
+            "real_comm_theory_s": spec.param_count * per_param / config.real_link_bytes_per_s}
 
 
 def _median_or_none(values: list[Any]) -> float | None:
@@ -70,6 +104,7 @@ def _one(config: TrainConfig, system: str, workers: int,
         "launch_lag_s": _median_or_none([s["launch_lag_s"] for s in rank0]),
         "max_error_over_bound": max(r["check"]["max_error_over_bound"]
                                     for r in ranks.values()),
+        **comm_theory(config, system, workers),
     }
 
 
@@ -88,6 +123,10 @@ def aggregate(config: TrainConfig, records: dict[tuple[str, int], dict[int, dict
     return results
 
 
+def _theory(value: float | None) -> str:
+    return "" if value is None else format_ms(value)
+
+
 def _pct(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.0f}%"
 
@@ -102,9 +141,12 @@ def render_tables(console: Console, config: TrainConfig, results: list[dict[str,
                         f"{config.batch_per_worker} per worker, {where}, median of "
                         f"{config.steps} steps (slowest rank)",
                   caption=f"ratio = step time / {BASELINE}'s; hidden = 1 - (step - compute)"
-                          " / comm alone")
+                          " / comm alone; theory = the gradient's bytes on the wire x link "
+                          "share (ring 2(N-1)/N, reducerd 1) / link rate, emulated (real "
+                          f"setting: {config.real_link_bytes_per_s * 8 / 1e9:g} Gbit/s)")
     columns = ["N", "system", "step ms", "min", "max", "samples/s", "efficiency",
-               "compute ms", "compute share", "comm alone ms", "hidden", f"vs {BASELINE}"]
+               "compute ms", "compute share", "comm alone ms", "theory ms", "comm/theory",
+               "real theory ms", "hidden", f"vs {BASELINE}"]
     for column in columns:
         table.add_column(column, justify="left" if column == "system" else "right",
                          no_wrap=True)
@@ -115,7 +157,10 @@ def render_tables(console: Console, config: TrainConfig, results: list[dict[str,
                       format_ms(t["min"]), format_ms(t["max"]), f"{r['samples_per_s']:.4g}",
                       _pct(r["scaling_efficiency"]), format_ms(r["compute_s"]),
                       _pct(r["compute_share"]), format_ms(r["comm_alone_s"]),
-                      _pct(r["comm_hidden_fraction"]),
+                      _theory(r["comm_theory_s"]),
+                      f"{r['comm_alone_s'] / r['comm_theory_s']:.2f}x"
+                      if r["comm_theory_s"] else "",
+                      _theory(r["real_comm_theory_s"]), _pct(r["comm_hidden_fraction"]),
                       f"{t['median'] / base:.2f}x" if base else "")
     console.print(table)
     largest = max(r["workers"] for r in results)

@@ -1,0 +1,174 @@
+"""The client's C loop (fastpath.py) with real daemons on 127.0.0.1.
+
+Scenarios: several keys from two worker processes whose chunks span three
+daemons, on the loop and on the Python path (REDUCER_CLIENT_C_LOOP=0), with
+the same bits; an in-band error from a daemon; a daemon killed while a key
+waits on it (the Python path's error, in bounded time, never a hang); the
+switches that keep the Python path.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from loop_cases import several_keys_worker
+from reducer_client import ReducerClient, ReducerError, fastpath
+from support import run_workers, start_daemon
+
+pytestmark = pytest.mark.skipif(not fastpath.available(), reason="the C loop was not built")
+
+OFF = {"REDUCER_CLIENT_C_LOOP": "0"}
+
+
+@pytest.mark.parametrize("wire, in_dtype", [("float16", "float32"), ("bfloat16", "float16"),
+                                            ("float32", "float32")])
+def test_several_keys_over_three_daemons_on_the_loop_and_in_python(daemons, wire, in_dtype):
+    """Every key after the first goes through the loop; its chunks reach all
+    three daemons; the sums are within the float64 bound and bit for bit the
+    Python path's (two workers: a + b == b + a)."""
+    with daemons(3) as d:
+        on = run_workers(several_keys_worker, 2, (d.addresses, 6, 30_000, wire, in_dtype),
+                         timeout=90)
+        off = run_workers(several_keys_worker, 2, (d.addresses, 6, 30_000, wire, in_dtype),
+                          timeout=90, env=OFF)
+    for result in on:
+        assert result["ready"] and result["keys_sent"] == 6
+        assert result["frames"] >= 6 * 3
+        assert min(result["daemons_per_key"]) == 3
+    assert on[0]["results"] == on[1]["results"]
+    for result in off:
+        assert not result["ready"] and result["keys_sent"] == 0
+    assert on[0]["results"] == off[0]["results"]
+
+
+def clients(addresses, job, world_size=2, environ=None, **kw):
+    return [ReducerClient(addresses, job=job, rank=r, world_size=world_size, timeout=3,
+                          environ=environ if environ is not None else {}, **kw)
+            for r in range(world_size)]
+
+
+def warm(pair, key="warm"):
+    """One allreduce on every client (threads), then wait for the loops' connections."""
+    futures = [c.allreduce_async(np.ones(8, np.float32), key=key) for c in pair]
+    for f in futures:
+        f.result(10)
+    for c in pair:
+        assert c.c_loop is None or c.c_loop.wait_ready(10)
+
+
+def error_of(future) -> ReducerError:
+    with pytest.raises(ReducerError) as info:
+        future.result(20)
+    return info.value
+
+
+def test_an_inband_error_fails_the_key_as_on_the_python_path(tmp_path):
+    """Rank 1 sends one element more: the daemon answers the chunk with an
+    error, and both paths fail the key with the same code and message."""
+    d = start_daemon("--round-timeout", "3", log_dir=tmp_path)
+    try:
+        errors = {}
+        for name, environ in (("loop", {}), ("python", OFF)):
+            pair = clients([d.address], f"err-{name}", environ=environ)
+            try:
+                warm(pair)
+                keys_before = pair[0].c_loop.keys_sent if pair[0].c_loop else 0
+                futures = [c.allreduce_async(np.ones(100 + r, np.float32), key="bad")
+                           for r, c in enumerate(pair)]
+                errors[name] = [error_of(f) for f in futures]
+                if name == "loop":
+                    assert pair[0].c_loop.keys_sent == keys_before + 1
+                good = [c.allreduce_async(np.full(10, 1.0, np.float32), key="good")
+                        for c in pair]
+                assert [f.result(10).tolist() for f in good] == [[2.0] * 10] * 2
+            finally:
+                for c in pair:
+                    c.close()
+    finally:
+        d.stop()
+    for loop_error, python_error in zip(errors["loop"], errors["python"], strict=True):
+        assert loop_error.code == python_error.code
+        assert str(loop_error).replace("err-loop", "JOB") == \
+            str(python_error).replace("err-python", "JOB")
+        assert "'bad'" in str(loop_error)
+
+
+def test_a_daemon_killed_mid_key_fails_as_on_the_python_path(tmp_path):
+    """Rank 0 sends a key rank 1 never sends, so its chunks wait on both
+    daemons; one daemon is killed. The key fails within its timeout plus a
+    margin with the Python path's error (code and wording), never hangs."""
+    outcomes = {}
+    for name, environ in (("loop", {}), ("python", OFF)):
+        ds = [start_daemon("--round-timeout", "30", log_dir=tmp_path)
+              for i in range(2)]
+        pair = clients([x.address for x in ds], f"die-{name}", environ=environ,
+                       chunk_bytes=4096)
+        try:
+            warm(pair)
+            start = time.monotonic()
+            future = pair[0].allreduce_async(np.ones(20_000, np.float32), key="k")
+            if name == "loop":
+                assert pair[0].c_loop.keys_sent == 1  # this key: the warm one went in Python
+            time.sleep(0.3)  # its chunks wait at the daemons for rank 1
+            ds[1].process.kill()
+            ds[1].process.wait()
+            error = error_of(future)
+            outcomes[name] = (error, time.monotonic() - start, ds[1].address)
+        finally:
+            for c in pair:
+                c.close()
+            for x in ds:
+                x.stop(signal.SIGKILL)  # the open round would hold SIGTERM's grace
+    (loop_error, loop_s, loop_addr), (py_error, py_s, py_addr) = outcomes["loop"], \
+        outcomes["python"]
+    assert loop_s < 3 + 2.0 and py_s < 3 + 2.0
+    assert loop_error.code == py_error.code
+    assert loop_error.retryable == py_error.retryable
+    normal = [str(e).replace(a, "ADDR").split("ADDR")[0].replace(j, "JOB") for e, a, j in
+              ((loop_error, loop_addr, "die-loop"), (py_error, py_addr, "die-python"))]
+    assert normal[0] == normal[1], (str(loop_error), str(py_error))
+
+
+def test_the_switches_keep_the_python_path(tmp_path, monkeypatch):
+    """REDUCER_CLIENT_C_LOOP=0, REDUCER_WIRE_NUMPY=1, gRPC, and an extension that
+    was not built: no loop, every key on the Python path, same results."""
+    d = start_daemon(log_dir=tmp_path)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(fastpath, "_tcploop", None)  # as where no compiler was at hand
+            assert not fastpath.available()
+            with ReducerClient([d.address], job="unbuilt", rank=0, world_size=1,
+                               wire_dtype="float32", environ={}) as client:
+                assert client.c_loop is None
+                for _ in range(3):
+                    got = client.allreduce(np.arange(5000, dtype=np.float32), key="k")
+                    assert got.tolist() == np.arange(5000, dtype=np.float32).tolist()
+        for environ in (OFF, {"REDUCER_WIRE_NUMPY": "1"}):
+            with ReducerClient([d.address], job="off", rank=0, world_size=1,
+                               environ=environ) as client:
+                assert client.c_loop is None
+                assert client.allreduce(np.ones(4, np.float32), key="k").tolist() == [1.0] * 4
+        with ReducerClient([d.address], job="grpc", rank=0, world_size=1,
+                           data_plane="grpc", environ={}) as client:
+            assert client.c_loop is None
+    finally:
+        d.stop()
+
+
+def test_close_with_keys_in_flight_on_the_loop_is_bounded(tmp_path):
+    d = start_daemon(log_dir=tmp_path)
+    try:
+        pair = clients([d.address], "close")
+        warm(pair)
+        future = pair[0].allreduce_async(np.ones(50_000, np.float32), key="open")
+        closed = threading.Event()
+        threading.Thread(target=lambda: (pair[0].close(), closed.set()), daemon=True).start()
+        assert closed.wait(5)
+        assert error_of(future).code.name == "CANCELLED"
+        pair[1].close()
+    finally:
+        d.stop()
