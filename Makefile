@@ -25,14 +25,14 @@ PYTEST_ARGS ?=
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: all venv venv-mxnet build test test-main test-mxnet test-deploy test-adversarial demo proto lint \
-	clean
+	docs docs-cli clean
 
 all: test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e ".[torch,tensorflow,bench,dev]"
+	$(VENV)/bin/pip install --quiet -e ".[torch,tensorflow,bench,dev,docs]"
 	touch $@
 
 $(STAMP_MX): pyproject.toml
@@ -85,6 +85,15 @@ test-mxnet: $(BUILT_MX)
 demo: $(BUILT)
 	$(VENV)/bin/python examples/demo.py
 
+# The documentation site (MkDocs, Material theme), strict: a warning fails the build.
+docs: $(BUILT)
+	$(VENV)/bin/python scripts/gen_cli_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Regenerate the command-line reference from the argument parsers.
+docs-cli: $(BUILT)
+	$(VENV)/bin/python scripts/gen_cli_reference.py
+
 proto: $(STAMP)
 	$(VENV)/bin/python scripts/gen_proto.py
 
@@ -93,6 +102,6 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV_MX) .pytest_cache build protos/python/reducer_wire/_kernels*.so \
+	rm -rf $(VENV) $(VENV_MX) .pytest_cache build site protos/python/reducer_wire/_kernels*.so \
 		protos/python/reducer_wire/_quant*.so protos/python/reducer_wire/_codec*.so \
 		reducerd/core/_sumpool*.so

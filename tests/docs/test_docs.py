@@ -1,0 +1,116 @@
+"""The documentation site: its CLI reference, its strict build and its tutorial's code.
+
+The tutorial's shell blocks start real daemons on 127.0.0.1 (on free ports,
+substituted for the page's) and its Python blocks run against them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(ROOT / "scripts"))
+import gen_cli_reference  # noqa: E402
+
+BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
+PAGES_IN_SITE = [DOCS / "index.md", DOCS / "tutorial" / "first-job.md",
+                 DOCS / "reference" / "cli.md"]
+
+
+def _env() -> dict[str, str]:
+    paths = [str(ROOT), str(ROOT / "clients"), str(ROOT / "protos" / "python")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@pytest.mark.timeout(60)
+def test_cli_reference_is_what_the_parsers_print():
+    assert (DOCS / "reference" / "cli.md").read_text() == gen_cli_reference.render(), (
+        "docs/reference/cli.md is stale: run scripts/gen_cli_reference.py")
+
+
+@pytest.mark.timeout(60)
+def test_site_pages_speak_of_no_sessions_or_issue_numbers():
+    for page in PAGES_IN_SITE:
+        text = page.read_text()
+        assert not re.search(r"session|issue [0-9]", text, re.I), page
+
+
+@pytest.mark.timeout(120)
+def test_site_builds_strict_with_no_warning(tmp_path):
+    if shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists():
+        pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
+    mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
+    run = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=110,
+                         env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "WARNING" not in run.stderr, run.stderr[-3000:]
+    assert (tmp_path / "site" / "tutorial" / "first-job" / "index.html").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(port: int, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no daemon serving on 127.0.0.1:{port} after {deadline_s} s")
+
+
+@pytest.mark.timeout(90)
+def test_tutorial_blocks_run_against_real_daemons():
+    text = (DOCS / "tutorial" / "first-job.md").read_text()
+    blocks = BLOCK.findall(text)
+    assert [lang for lang, _ in blocks] == ["bash", "bash", "python"]
+    ports = {"7071": str(_free_port()), "7072": str(_free_port())}
+
+    def local(code: str) -> str:
+        for page_port, port in ports.items():
+            code = code.replace(f"127.0.0.1:{page_port}", f"127.0.0.1:{port}")
+        return code
+
+    daemons = []
+    try:
+        for line in blocks[0][1].strip().splitlines():
+            argv = local(line.rstrip(" &")).split()
+            assert argv[0] == "reducerd"
+            daemons.append(subprocess.Popen([sys.executable, "-m", "reducerd", *argv[1:]],
+                                            env=_env(), stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE))
+        for port in ports.values():
+            _wait_serving(int(port), 30)
+        status_argv = local(blocks[1][1].strip()).split()
+        status = subprocess.run([sys.executable, "-m", "reducerd", *status_argv[1:]],
+                                env=_env(), capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        worker = subprocess.run([sys.executable, "-c", local(blocks[2][1])], env=_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        assert "mean of 1 and 2 on both ranks: [1.5 1.5 1.5]" in worker.stdout
+    finally:
+        for proc in daemons:
+            proc.send_signal(signal.SIGTERM)
+        for proc in daemons:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
