@@ -60,7 +60,10 @@ def _run_daemon(argv: list[str]) -> int:
         config.round_timeout_s, config.max_inflight_bytes)
     try:
         # The service manager's socket and watchdog come from the Config (it read them).
-        asyncio.run(Daemon(config).serve())
+        asyncio.run(Daemon(config, reload_config=lambda: config_from_args(args)).serve())
+    except ConfigError as exc:  # the token file changed between the check and the start
+        log_error(f"reducerd: {exc}")
+        return 2
     except RuntimeError as exc:  # e.g. the port is taken
         logging.getLogger("reducerd").error("cannot serve: %s", exc)
         return 1

@@ -1,14 +1,17 @@
 """The daemon object: builds the gRPC server from a Config, serves, drains.
 
-Nothing starts on import. `Daemon(config).run()` serves until SIGTERM or
+Nothing starts on import. `Daemon(config).serve()` serves until SIGTERM or
 SIGINT, then drains: health goes NOT_SERVING, new streams are refused, open
 rounds get `drain_grace_s` to finish, what is left fails with UNAVAILABLE,
-and the server stops.
+and the server stops. SIGHUP reloads: the token file (the previous token
+honoured for `token_grace_s`) and the settings in config.RELOADABLE, with
+every open round and stream carried on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -30,7 +33,7 @@ from reducerd.daemon.grpc_service import ReducerServicer
 from reducerd.dataplane.plane import DataPlane
 from reducerd.ops.binding import add_port
 from reducerd.ops.busy import SAMPLE_S, BusyGate
-from reducerd.ops.config import Config
+from reducerd.ops.config import RELOADABLE, Config, ConfigError
 from reducerd.ops.memory import HeapTrimmer
 from reducerd.ops.notify import Notifier
 from reducerd.service.access import Access
@@ -84,8 +87,14 @@ def _deny(method: str):
 class Daemon:
     """One reducer daemon built from a validated Config."""
 
-    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
+    def __init__(self, config: Config, notifier: Notifier | None = None,
+                 reload_config: Callable[[], Config] | None = None) -> None:
+        """`reload_config`: the configuration as it stands now, for SIGHUP
+        (the command line and --config file read again); by default the same
+        Config, so SIGHUP re-reads the token file alone."""
         self.config = config
+        self._reload_config = reload_config or (lambda: self.config)
+        self.access = Access(None)  # the token: read by start(), rotated by reload()
         convert.use_accelerator(not config.wire_numpy)
         # One count of what the daemon holds: accumulators, receive buffers, unsent replies.
         self.budget = MemoryBudget(config.max_inflight_bytes,
@@ -122,6 +131,7 @@ class Daemon:
         if cfg.metrics_address:
             self._start_metrics(cfg.metrics_address)
         token = cfg.auth_token()
+        self.access = Access(token)
         # Before the gRPC server exists: a taken data port stops us cleanly.
         self._start_data_plane(token)
         try:
@@ -134,7 +144,7 @@ class Daemon:
     async def _start_grpc(self, token: str | None) -> int:
         cfg = self.config
         interceptors = []
-        self.servicer.access = access = Access(token)
+        self.servicer.access = access = self.access
         if access.required:
             interceptors.append(_TokenAuth(access))
         options = [
@@ -174,7 +184,7 @@ class Daemon:
         if address is None:
             return
         cfg = self.config
-        self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), Access(token),
+        self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), self.access,
                                     cfg.max_message_bytes, send_timeout_s=cfg.round_timeout_s,
                                     tls_context=self._tls_context("the data plane"))
         self.servicer.data_port = self.data_plane.start(*address)
@@ -215,6 +225,10 @@ class Daemon:
                 loop.add_signal_handler(sig, self.stop)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
+        try:
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
+        except (NotImplementedError, RuntimeError):
+            pass
         await self.start()
         if on_ready is not None and self.port is not None:
             on_ready(self.port)
@@ -232,6 +246,48 @@ class Daemon:
     def stop(self) -> None:
         """Ask the daemon to drain and stop (safe from a signal handler)."""
         self._stop.set()
+
+    def reload(self) -> list[str]:
+        """SIGHUP: read the configuration and the token file again and apply
+        what may change while serving; log each change, and what would need a
+        restart. A configuration that does not validate changes nothing.
+        Returns the changes (for tests)."""
+        old = self.config
+        try:
+            new = self._reload_config()
+            token = new.auth_token()
+        except ConfigError as exc:
+            log.error("SIGHUP: nothing reloaded, the configuration in use stays: %s", exc)
+            return []
+        changes = []
+        if token != self.access.token:
+            if token is None or self.access.token is None:
+                log.warning("SIGHUP: turning the token %s needs a restart; the token in "
+                            "use stays", "off" if token is None else "on")
+            else:
+                self.access.rotate(token, new.token_grace_s)
+                changes.append(f"token rotated (the previous one authorizes for "
+                               f"{new.token_grace_s:g} s more)")
+        updates = {name: getattr(new, name) for name in RELOADABLE
+                   if getattr(new, name) != getattr(old, name)}
+        changes += [f"{name} {getattr(old, name)!r} -> {value!r}"
+                    for name, value in updates.items()]
+        self.config = dataclasses.replace(old, **updates)
+        self._apply_reloadable()
+        fixed = [f.name for f in dataclasses.fields(Config)
+                 if f.name not in RELOADABLE and f.name not in _FROM_THE_ENVIRONMENT
+                 and getattr(new, f.name) != getattr(old, f.name)]
+        log.info("SIGHUP: %s", "; ".join(changes) if changes else "nothing changed")
+        if fixed:
+            log.warning("SIGHUP: changed but applied at a restart only: %s", ", ".join(fixed))
+        return changes
+
+    def _apply_reloadable(self) -> None:
+        cfg = self.config
+        logging.getLogger().setLevel(cfg.log_level.upper())
+        self.servicer.stalled_after_s = cfg.stalled_after_s
+        if self.metrics is not None:
+            self.metrics.stalled_after_s = cfg.stalled_after_s
 
     async def _expire_loop(self) -> None:
         """Expire chunks and idle streams every tick, for as long as the daemon
@@ -303,6 +359,10 @@ class Daemon:
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop_http)
         log.info("stopped")
+
+
+# Config fields read from the environment at the start, not options.
+_FROM_THE_ENVIRONMENT = ("credentials_directory", "notify_socket", "watchdog_s", "wire_numpy")
 
 
 def _read(path: str | None) -> bytes:

@@ -18,10 +18,11 @@ from typing import Any
 
 from reducerd.core.limits import MAX_OPEN_CHUNKS_PER_JOB, job_inflight_limit
 from reducerd.ops.busy import DEFAULT_POOL_BUSY_CORES
+from reducerd.ops.token_file import TokenFileError, read_token_file
 
 __all__ = ["Config", "ConfigError", "add_arguments", "config_from_args", "parse_host_port",
            "DEFAULT_LISTEN", "STALLED_AFTER_S", "MAX_OPEN_CHUNKS_PER_JOB",
-           "DEFAULT_MAX_WORLD_SIZE", "MAX_THREADS", "available_cpus"]
+           "DEFAULT_MAX_WORLD_SIZE", "MAX_THREADS", "RELOADABLE", "available_cpus"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -95,6 +96,18 @@ class Config:
     pool_chunk_bytes: int = DEFAULT_POOL_CHUNK_BYTES
     # With threads > 1: pool new chunks only while the daemon is this busy (reducerd.ops.busy).
     pool_busy_cores: float = DEFAULT_POOL_BUSY_CORES
+    # SIGHUP: how long the token it replaces (and its job tokens) still authorize.
+    token_grace_s: float = 300.0
+    # A job with nothing open and no shard for this long is forgotten (its
+    # status row and counters); its next shard starts it afresh.
+    job_idle_expiry_s: float = 300.0
+    # GetStatus lists this many jobs at most (the most active first) unless the
+    # request asks for more (StatusRequest.max_jobs); the rest are counted.
+    status_max_jobs: int = 100
+    # gRPC connections that have carried no call for this long are closed
+    # (GOAWAY; clients reconnect when they next call): idle ones, a token or
+    # not, cannot fill --max-grpc-connections for ever.
+    grpc_idle_timeout_s: float = 30.0
     # Not an option: REDUCER_WIRE_NUMPY=1 sums and converts in NumPy instead of
     # reducer_wire's C kernels (same results; for comparison and debugging).
     wire_numpy: bool = False
@@ -147,7 +160,7 @@ class Config:
             parse_host_port(self.data_listen, "data_listen")
         self._validate_port_offset()
         for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s",
-                     "stream_idle_timeout_s"):
+                     "stream_idle_timeout_s", "job_idle_expiry_s", "grpc_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("max_inflight_bytes", "max_message_bytes"):
@@ -166,8 +179,10 @@ class Config:
         if not 1 <= self.threads <= MAX_THREADS:
             raise ConfigError(f"threads: must be between 1 and {MAX_THREADS}, got "
                               f"{self.threads}")
+        if self.status_max_jobs < 1:
+            raise ConfigError(f"status_max_jobs: must be >= 1, got {self.status_max_jobs}")
         for name in ("max_inflight_bytes_per_job", "pool_chunk_bytes", "pool_busy_cores",
-                     "metrics_max_jobs"):
+                     "metrics_max_jobs", "token_grace_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         self._validate_credential()
@@ -178,6 +193,7 @@ class Config:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
+        self.auth_token()  # a token no client could send stops the start, not every call
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level: one of debug, info, warning, error, "
                               f"got {self.log_level!r}")
@@ -219,11 +235,11 @@ class Config:
         path = self.token_path
         if not path:
             return None
-        token = Path(path).read_text().strip()
-        if not token:
+        try:
+            return read_token_file(path)
+        except TokenFileError as exc:
             option = "auth_token_credential" if self.auth_token_credential else "auth_token_file"
-            raise ConfigError(f"{option}: {path!r} is empty")
-        return token
+            raise ConfigError(f"{option}: {exc}") from None
 
     def to_toml(self) -> str:
         """The options as a TOML document that `--config` reads back to this Config."""
@@ -286,7 +302,14 @@ _FLAGS = {
     "--threads": "threads",
     "--pool-chunk-bytes": "pool_chunk_bytes",
     "--pool-busy-cores": "pool_busy_cores",
+    "--token-grace": "token_grace_s",
+    "--job-idle-expiry": "job_idle_expiry_s",
+    "--status-max-jobs": "status_max_jobs",
+    "--grpc-idle-timeout": "grpc_idle_timeout_s",
 }
+# What SIGHUP changes in a serving daemon (besides the token); the rest needs a restart.
+RELOADABLE = ("log_level", "stalled_after_s", "stream_idle_timeout_s", "token_grace_s",
+              "job_idle_expiry_s", "status_max_jobs")
 _HELP = {
     "listen": f"gRPC address to serve (default {DEFAULT_LISTEN})",
     "metrics_listen": "serve Prometheus metrics over HTTP here (port 0: any free one; "
@@ -322,6 +345,14 @@ _HELP = {
                         f"(default {DEFAULT_POOL_CHUNK_BYTES}; 0: every chunk)",
     "pool_busy_cores": f"with --threads > 1, pool chunks only while the daemon uses this many "
                        f"cores, else sum inline (default {DEFAULT_POOL_BUSY_CORES}; 0: always)",
+    "token_grace_s": "after SIGHUP rotates the token, seconds the previous one still "
+                     "authorizes (default 300; 0: none)",
+    "job_idle_expiry_s": "forget a job (status row, counters) idle this many seconds with "
+                         "nothing open (default 300)",
+    "status_max_jobs": "GetStatus lists this many jobs at most, the most active first, "
+                       "unless asked for more (default 100)",
+    "grpc_idle_timeout_s": "close gRPC connections that carried no call for this many "
+                           "seconds (default 30)",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
                    "the default) or 'off'; over TLS under --tls-cert",
 }

@@ -23,12 +23,14 @@ import binascii
 import hashlib
 import hmac
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-__all__ = ["JOB_TOKEN_PREFIX", "Grant", "EVERY_JOB", "Access", "job_token", "token_job",
-           "bearer_token", "main"]
+from reducerd.ops.token_file import TokenFileError, read_token_file
+
+__all__ = ["JOB_TOKEN_PREFIX", "Grant", "EVERY_JOB", "Access", "job_token",
+           "token_job", "bearer_token", "main"]
 
 JOB_TOKEN_PREFIX = "rj1."
 
@@ -86,14 +88,39 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
 
 
 class Access:
-    """The daemon's token check. Without a token every caller may do everything."""
+    """The daemon's token check. Without a token every caller may do everything.
 
-    def __init__(self, daemon_token: str | None) -> None:
+    `rotate` replaces the token (SIGHUP): the previous one, and the job tokens
+    derived from it, are still honoured for a grace period, so workers can be
+    handed the new one while the old one still serves their rounds. Only new
+    calls and connections are checked; those open carry on.
+    """
+
+    def __init__(self, daemon_token: str | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._token = daemon_token
+        self._clock = clock
+        # The tokens replaced by rotate() and until when (clock) each is honoured;
+        # the loop thread alone reads and writes it.
+        self._previous: list[tuple[str, float]] = []
 
     @property
     def required(self) -> bool:
         return self._token is not None
+
+    @property
+    def token(self) -> str | None:
+        return self._token
+
+    def rotate(self, daemon_token: str, grace_s: float) -> None:
+        """Serve `daemon_token` from now on, the one it replaces for `grace_s` more."""
+        if self._token is None:
+            raise ValueError("a daemon started without a token cannot rotate to one")
+        now = self._clock()
+        kept = [(t, until) for t, until in self._previous if until > now and t != daemon_token]
+        if self._token != daemon_token and grace_s > 0:
+            kept.append((self._token, now + grace_s))
+        self._previous, self._token = kept, daemon_token
 
     def grant(self, token: str | bytes | None) -> Grant | None:
         """What `token` authorizes, or None when it is missing or wrong."""
@@ -106,17 +133,26 @@ class Access:
                 token = token.decode()
             except UnicodeDecodeError:
                 return None
-        if hmac.compare_digest(token.encode(), self._token.encode()):
-            return EVERY_JOB
-        job = token_job(token)
-        if job is not None and hmac.compare_digest(token.encode(),
-                                                   job_token(self._token, job).encode()):
-            return Grant(job)
-        return None
+        grant = _grant(self._token, token)
+        if grant is None and self._previous:
+            now = self._clock()
+            grant = next((g for t, until in self._previous
+                          if until > now and (g := _grant(t, token)) is not None), None)
+        return grant
 
     def grant_for_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None,
                            ) -> Grant | None:
         return self.grant(bearer_token(metadata)) if self._token is not None else EVERY_JOB
+
+
+def _grant(daemon_token: str, token: str) -> Grant | None:
+    if hmac.compare_digest(token.encode(), daemon_token.encode()):
+        return EVERY_JOB
+    job = token_job(token)
+    if job is not None and hmac.compare_digest(token.encode(),
+                                               job_token(daemon_token, job).encode()):
+        return Grant(job)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the daemon token (the daemons' --auth-token-file)")
     args = parser.parse_args(argv)
     try:
-        daemon_token = Path(args.auth_token_file).read_text().strip()
-    except OSError as exc:
-        print(f"reducerd token: --auth-token-file: cannot read {args.auth_token_file!r}: "
-              f"{exc.strerror}", file=sys.stderr)
-        return 2
-    if not daemon_token:
-        print(f"reducerd token: --auth-token-file: {args.auth_token_file!r} is empty",
-              file=sys.stderr)
+        daemon_token = read_token_file(args.auth_token_file)
+    except TokenFileError as exc:
+        print(f"reducerd token: --auth-token-file: {exc}", file=sys.stderr)
         return 2
     if not args.job:
         print("reducerd token: --job: must be a non-empty string", file=sys.stderr)
