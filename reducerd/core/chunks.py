@@ -17,6 +17,7 @@ from reducer_wire.dtypes import DTYPE_NAMES, OP_NAMES
 
 from reducerd.core.incarnations import JobIncarnations
 from reducerd.core.limits import MISSING_LISTED_AT_MOST, missing_ranks
+from reducerd.core.names import short_name
 from reducerd.core.replies import Reply
 
 __all__ = ["ChunkId", "Contribution", "Delivery", "JobStats", "OpenChunk", "OpenChunks",
@@ -37,7 +38,7 @@ class ChunkId(NamedTuple):
     offset: int
 
     def describe(self) -> str:
-        return (f"job {self.job!r} key {self.key!r} round {self.round} "
+        return (f"job {short_name(self.job)} key {short_name(self.key)} round {self.round} "
                 f"offset {self.offset}")
 
 

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from reducerd.core.names import short_name
+
 __all__ = ["MAX_OPEN_CHUNKS_PER_JOB", "MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEPT",
            "TRANSPORT_RESERVE_SHARE", "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks",
            "describe_missing", "job_refusal", "job_inflight_limit", "JOB_ACCUMULATOR_SHARE",
@@ -132,7 +134,7 @@ class StreamCount:
             return f"too many {self.what} ({self.cap})"
         held = self._jobs.get(job, 0) if job is not None else 0
         if held >= self.job_cap:
-            return (f"job {job!r} holds {held} {self.what}, its share of the "
+            return (f"job {short_name(job)} holds {held} {self.what}, its share of the "
                     f"{self.cap} this daemon takes")
         return None
 
@@ -294,7 +296,8 @@ class MemoryBudget:
         return f"{self.describe_job_share(job)}: no new stream of it until they read"
 
     def describe_job_share(self, job: str) -> str:
-        return (f"job {job!r} holds {self.job_transport_bytes(job)} bytes of this daemon's "
+        return (f"job {short_name(job)} holds {self.job_transport_bytes(job)} bytes of "
+                f"this daemon's "
                 f"memory in frames and replies its clients have not read, its share of at "
                 f"most {self.job_share_bytes} (1/{JOB_TRANSPORT_SHARE} of "
                 f"--max-inflight-bytes)")

@@ -50,6 +50,7 @@ from reducerd.core.limits import (
     job_inflight_limit,
     job_refusal,
 )
+from reducerd.core.names import short_name
 from reducerd.core.replies import Reply
 from reducerd.core.results import FailedChunks, ResultCache
 from reducerd.core.summing_c import AnySummingPool
@@ -343,7 +344,8 @@ class ReductionTable:
     def _layout_mismatch(self, cid: ChunkId, part: Contribution, sink: Hashable,
                          job: JobStats) -> list[Delivery]:
         """Fail the job's open chunks: its ranks disagree on the daemon list."""
-        message = (f"job {cid.job!r}: rank {part.rank} and rank {job.layout_rank} disagree "
+        message = (f"job {short_name(cid.job)}: rank {part.rank} and rank {job.layout_rank} "
+                   "disagree "
                    "on the chunk layout (the daemon list, its order, chunk_bytes, or a "
                    "client version that cuts keys by another rule); give every worker the "
                    "same REDUCER_ADDRESSES in the same order and the same reducer_client")
@@ -358,7 +360,8 @@ class ReductionTable:
     def _restart(self, name: str, job: JobStats, verdict: Restart) -> list[Delivery]:
         """Drop what the job's earlier incarnation left: fail its open chunks,
         forget its failures and cached results (a new era began)."""
-        message = (f"job {name!r} restarted (rank {verdict.rank}: {verdict.reason}): this round "
+        message = (f"job {short_name(name)} restarted (rank {verdict.rank}: {verdict.reason}): "
+                   "this round "
                    "of the earlier incarnation is abandoned")
         failed = [self._fail(open_id, FAILED_PRECONDITION, f"{open_id.describe()}: {message}",
                              tuple(c.sinks))
@@ -371,9 +374,9 @@ class ReductionTable:
             self._pooled.reclaim()  # C tasks' room comes back on this (the loop) thread
         self._failed.drop_job(name)  # the earlier incarnation's (and those just made)
         dropped = self._results.drop_job(name)
-        log.info("job %r restarted (rank %d: %s; era %d): %d open chunk(s) failed, %d cached "
-                 "result(s) dropped", name, verdict.rank, verdict.reason, job.incarnations.era,
-                 len(failed), dropped)
+        log.info("job %s restarted (rank %d: %s; era %d): %d open chunk(s) failed, %d cached "
+                 "result(s) dropped", short_name(name), verdict.rank, verdict.reason,
+                 job.incarnations.era, len(failed), dropped)
         return failed
 
     def _cache_result(self, cid: ChunkId, chunk: OpenChunk, reply: Reply) -> None:

@@ -26,6 +26,7 @@ from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 from reducerd import __version__
 from reducerd.core.limits import StreamCount
+from reducerd.core.names import short_name
 from reducerd.dataplane.outbox import AsyncOutbox
 from reducerd.service.access import EVERY_JOB, Access, Grant
 from reducerd.service.session import END, Session, Stream, daemon_fault_message, decode_request
@@ -104,7 +105,8 @@ class ReducerServicer:
         assert grant is not None
         refusal = self.calls.refusal(grant.job)
         if refusal is not None:
-            log.info("stream from %s refused: %s", context.peer(), refusal)
+            self.session.refusals.log(logging.INFO, ("stream", grant.job, "calls"),
+                                      f"stream from {context.peer()} refused: {refusal}")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         self.calls.add(grant.job)
         try:
@@ -227,8 +229,8 @@ def _status_refusal(grant: Grant | None, request: pb.StatusRequest) -> str:
     if grant.job is None or request.brief:
         return ""
     if request.job != grant.job:
-        asked = f"job {request.job!r}" if request.job else "every job"
-        return (f"the token is job {grant.job!r}'s: it reads that job's status "
-                f"(StatusRequest job={grant.job!r}, reducerd status --job) or the brief "
+        asked = f"job {short_name(request.job)}" if request.job else "every job"
+        return (f"the token is job {short_name(grant.job)}'s: it reads that job's status "
+                f"(StatusRequest job={short_name(grant.job)}, reducerd status --job) or the brief "
                 f"status, not {asked}'s")
     return ""

@@ -300,7 +300,10 @@ class Connection:
             length -= len(view)
 
     def refuse(self, code: grpc.StatusCode, message: str) -> None:
-        log.info("data plane: refused %s: %s", self.stream.peer, message)
+        # On this connection's thread: the loop thread keeps the limiter.
+        self.plane.call(self.plane.session.refusals.log, logging.INFO,
+                        ("data plane", self.counted_job, code.name),
+                        f"data plane: refused {self.stream.peer}: {message}")
         try:
             self.sock.settimeout(LINGER_S)
             self.io.sendall(status_frame(code, message))

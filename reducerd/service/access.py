@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from reducerd.core.names import short_name
 from reducerd.ops.token_file import TokenFileError, read_token_file
 
 __all__ = ["JOB_TOKEN_PREFIX", "Grant", "EVERY_JOB", "Access", "job_token",
@@ -46,8 +47,9 @@ class Grant:
 
     def refusal(self, job: str) -> str:
         """The PERMISSION_DENIED message for touching `job` with this grant."""
-        return (f"the token is job {self.job!r}'s and authorizes that job alone, not "
-                f"job {job!r} (reducerd token --job {job} gives that job's token)")
+        return (f"the token is job {short_name(self.job or '')}'s and authorizes that job "
+                f"alone, not job {short_name(job)} (reducerd token --job JOB gives that "
+                "job's token)")
 
 
 EVERY_JOB = Grant()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
@@ -29,6 +28,7 @@ from reducer_wire.codec import MAX_NAME_CHARS, DecodeError, ShardView, decode_sh
 from reducerd.core.reduction import ChunkId, Contribution, Delivery, ReductionTable
 from reducerd.core.replies import Reply, error_reply
 from reducerd.ops.config import DEFAULT_MAX_WORLD_SIZE
+from reducerd.ops.logs import RepeatLimiter, short_name
 from reducerd.service.access import Grant
 
 __all__ = ["END", "MAX_OFFSET", "DecodeFault", "Observer", "Session", "Stream", "check_shard",
@@ -203,9 +203,10 @@ class Session:
         self.max_world_size = max_world_size
         self.streams: set[Stream] = set()
         self.draining = False  # set by the daemon: transports refuse new streams
-        # (job, key, round, code) of failures logged lately: one line per failed
-        # round, not one per chunk (a 64 MiB key has dozens of chunks).
-        self._logged_failures: deque[tuple[str, str, int, str]] = deque(maxlen=256)
+        # Refusals and failures, one line per job and reason and period with the
+        # repeats counted (a 64 MiB key has dozens of chunks; a hostile client
+        # sends as many as it likes): the transports log theirs here too.
+        self.refusals = RepeatLimiter(log)
 
     def open_stream(self, stream: Stream) -> None:
         self.streams.add(stream)
@@ -235,13 +236,15 @@ class Session:
         problem = check_shard(shard, self.max_world_size)
         if problem:
             stream.end(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"invalid shard (job {shard.job!r} key {shard.key!r} round "
+                       f"invalid shard (job {short_name(shard.job)} key "
+                       f"{short_name(shard.key)} round "
                        f"{shard.round} rank {shard.rank}): {problem}")
             return False
         if stream.job is not None and shard.job != stream.job:
             # Before anything of it is counted: another job's sums stay its own.
             stream.end(grpc.StatusCode.PERMISSION_DENIED,
-                       f"shard of job {shard.job!r} key {shard.key!r} refused: "
+                       f"shard of job {short_name(shard.job)} key {short_name(shard.key)} "
+                       "refused: "
                        f"{Grant(stream.job).refusal(shard.job)}")
             return False
         if not stream.admitted:  # its first shard: the stream joins its job's share
@@ -255,7 +258,8 @@ class Session:
         try:
             self._contribute(shard, stream)
         except Exception as exc:
-            self._daemon_fault(exc, f"taking a shard of job {shard.job!r} key {shard.key!r} "
+            self._daemon_fault(exc, f"taking a shard of job {short_name(shard.job)} key "
+                                    f"{short_name(shard.key)} "
                                     f"round {shard.round} rank {shard.rank} from {stream.peer}",
                                (stream,))
             return False
@@ -263,7 +267,8 @@ class Session:
 
     def _contribute(self, shard: ShardView, stream: Stream) -> None:
         if shard.job not in self.table.jobs:
-            log.info("job %r first seen (world size %d)", shard.job, shard.world_size)
+            log.info("job %s first seen (world size %d)", short_name(shard.job),
+                     shard.world_size)
         if self.observer is not None:
             self.observer.shard_in(shard.job, shard.dtype, len(shard.data))
         cid = ChunkId(shard.job, shard.key, shard.round, shard.offset)
@@ -331,6 +336,7 @@ class Session:
             return
         self.deliver(deliveries)
         self.end_idle_streams(idle_timeout_s)
+        self.refusals.flush()
 
     def fail_all(self, code: str, reason: str) -> None:
         """Fail every open chunk (the daemon shuts down)."""
@@ -350,10 +356,8 @@ class Session:
                 stream.finish()
 
     def _log_failure(self, d: Delivery) -> None:
-        failure = (d.chunk.job, d.chunk.key, d.chunk.round, d.error_code)
-        if failure not in self._logged_failures:
-            self._logged_failures.append(failure)
-            log.warning("chunk failed (%s): %s", d.error_code, d.error_message)
+        self.refusals.log(logging.WARNING, (d.chunk.job, d.error_code),
+                          f"chunk failed ({d.error_code}): {d.error_message}")
 
     def _daemon_fault(self, exc: Exception, what: str, streams: Iterable[Stream]) -> None:
         """Log our own bug with its traceback; end `streams` with INTERNAL saying so."""
