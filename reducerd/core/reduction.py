@@ -62,8 +62,9 @@ __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
 
 log = logging.getLogger("reducerd")
 
-# A job with nothing open for this long is forgotten (its stats too).
-JOB_FORGET_AFTER_S = 3600.0
+# A job with nothing open for this long is forgotten (its stats too); the
+# daemon's --job-idle-expiry, never under its round timeout.
+JOB_FORGET_AFTER_S = 300.0
 # The longest a restart waits (loop thread) for the summing threads to free the earlier era's.
 RESTART_DRAIN_S = 2.0
 
@@ -89,8 +90,10 @@ class ReductionTable:
                  max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB,
                  budget: MemoryBudget | None = None,
                  summing: AnySummingPool | None = None,
-                 max_job_inflight_bytes: int | None = None) -> None:
+                 max_job_inflight_bytes: int | None = None,
+                 job_forget_after_s: float = JOB_FORGET_AFTER_S) -> None:
         self.round_timeout_s, self.max_inflight_bytes = round_timeout_s, max_inflight_bytes
+        self.job_forget_after_s = max(job_forget_after_s, round_timeout_s)
         self.max_open_chunks_per_job = max_open_chunks_per_job
         # What one job's open chunks may hold (Config.job_inflight_bytes; limits.job_refusal).
         self.max_job_inflight_bytes = job_inflight_limit(max_inflight_bytes,
@@ -218,7 +221,7 @@ class ReductionTable:
         self._failed.expire(now)
         self._results.expire(now)
         for name in [name for name, job in self.jobs.items()
-                     if not job.open_chunks and now - job.last_active_s > JOB_FORGET_AFTER_S]:
+                     if not job.open_chunks and now - job.last_active_s > self.job_forget_after_s]:
             del self.jobs[name]  # its counters would otherwise pile up for ever
         deliveries = []
         for cid in self._open.late(now, self.round_timeout_s):

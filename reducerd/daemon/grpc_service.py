@@ -17,6 +17,7 @@ All of it runs on the daemon's one event loop thread.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections import deque
@@ -37,6 +38,11 @@ log = logging.getLogger("reducerd")
 
 INBAND_METADATA = ("reducer-errors", "inband")
 STALLED_LISTED_AT_MOST = 100
+# Bytes of JobStatus rows one GetStatus reply carries at most, whatever
+# max_jobs asks: with the stalled chunks (100 at most, a few KiB each with the
+# longest names) it stays far below the clients' 4 MiB message limit. A row
+# is about 100 bytes and its job id (up to 4 KB in UTF-8).
+STATUS_JOB_BYTES = 2 << 20
 UNSENT_BYTES = 16 << 20
 # Reduce calls open at once, and half of them per job of a job token
 # (limits.StreamCount); beyond, a new call is refused with RESOURCE_EXHAUSTED.
@@ -71,9 +77,11 @@ class ReducerServicer:
     """Reduce and GetStatus over one Session."""
 
     def __init__(self, session: Session, stalled_after_s: float,
-                 send_timeout_s: float = 60.0) -> None:
+                 send_timeout_s: float = 60.0, status_max_jobs: int = 100) -> None:
         self.session = session
         self.stalled_after_s = stalled_after_s
+        # Jobs a GetStatus lists unless its request asks for another number.
+        self.status_max_jobs = status_max_jobs
         self.send_timeout_s = send_timeout_s
         # The TCP data plane's port, set by the daemon when it serves one.
         self.data_port = 0
@@ -200,18 +208,30 @@ class ReducerServicer:
             round_timeout_s=table.round_timeout_s, data_port=self.data_port)
         if request.brief:
             return reply
-        for name, stats in sorted(table.jobs.items()):
-            if request.job and name != request.job:
-                continue
+        jobs = ([(request.job, table.jobs[request.job])] if request.job in table.jobs
+                else [] if request.job else table.jobs.items())
+        reply.jobs_total = len(jobs)
+        reply.jobs_open = sum(1 for _, stats in jobs if stats.open_chunks)
+        # The most recently active first; a daemon with 16,000 jobs answers in a
+        # few KiB unless asked for more (and then within STATUS_JOB_BYTES).
+        listed = heapq.nlargest(request.max_jobs or self.status_max_jobs, jobs,
+                                key=lambda item: (item[1].last_active_s, item[0]))
+        row_bytes = 0
+        for name, stats in sorted(listed, key=lambda item: item[0]):  # listed by name
             rate_in, rate_out = self._throughput.setdefault(name, _Throughput()).rate(
                 now, stats.bytes_in, stats.bytes_out)
-            reply.jobs.add(job=name, chunks_completed=stats.chunks_completed,
-                           chunks_failed=stats.chunks_failed,
-                           open_chunks=stats.open_chunks,
-                           open_chunk_bytes=stats.open_chunk_bytes, bytes_in=stats.bytes_in,
-                           bytes_out=stats.bytes_out, bytes_in_per_s=rate_in,
-                           bytes_out_per_s=rate_out, world_sizes=sorted(stats.world_sizes),
-                           first_seen_unix_s=stats.first_seen_s)
+            row = reply.jobs.add(job=name, chunks_completed=stats.chunks_completed,
+                                 chunks_failed=stats.chunks_failed,
+                                 open_chunks=stats.open_chunks,
+                                 open_chunk_bytes=stats.open_chunk_bytes,
+                                 bytes_in=stats.bytes_in, bytes_out=stats.bytes_out,
+                                 bytes_in_per_s=rate_in, bytes_out_per_s=rate_out,
+                                 world_sizes=sorted(stats.world_sizes),
+                                 first_seen_unix_s=stats.first_seen_s)
+            row_bytes += row.ByteSize() + 4  # its tag and length
+            if row_bytes > STATUS_JOB_BYTES:
+                del reply.jobs[-1]
+                break
         for name in [name for name in self._throughput if name not in table.jobs]:
             del self._throughput[name]  # a forgotten job's window goes with it
         for cid, world_size, missing, age_s in table.open_chunks(

@@ -108,10 +108,12 @@ class Daemon:
                                     summing=self.summing,
                                     max_open_chunks_per_job=config.max_open_chunks_per_job,
                                     max_job_inflight_bytes=config.job_inflight_bytes,
-                                    budget=self.budget)
+                                    budget=self.budget,
+                                    job_forget_after_s=config.job_idle_expiry_s)
         self.session = Session(self.table, max_world_size=config.max_world_size)
         self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s,
-                                        send_timeout_s=config.round_timeout_s)
+                                        send_timeout_s=config.round_timeout_s,
+                                        status_max_jobs=config.status_max_jobs)
         # systemd's notify socket; a no-op outside a Type=notify unit.
         self.notifier = notifier or Notifier.from_config(config)
         self.metrics: Metrics | None = None
@@ -286,6 +288,8 @@ class Daemon:
         cfg = self.config
         logging.getLogger().setLevel(cfg.log_level.upper())
         self.servicer.stalled_after_s = cfg.stalled_after_s
+        self.servicer.status_max_jobs = cfg.status_max_jobs
+        self.table.job_forget_after_s = max(cfg.job_idle_expiry_s, cfg.round_timeout_s)
         if self.metrics is not None:
             self.metrics.stalled_after_s = cfg.stalled_after_s
 

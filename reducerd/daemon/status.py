@@ -1,11 +1,13 @@
 """`reducerd status` and `reducerd top`: a daemon's jobs, open and stalled rounds, throughput.
 
-    reducerd status --address HOST:PORT [--json] [--job JOB]
+    reducerd status --address HOST:PORT [--json] [--job JOB] [--jobs N]
     reducerd top --address HOST:PORT [--interval S] [--iterations N]
 
 Both call reducer.v1.Reducer/GetStatus. Throughput is the daemon's own sliding
 window over its byte counters; a window needs two calls, so `status` makes
 one, waits `--sample` seconds and renders the second (`top` keeps calling).
+The daemon lists its most recently active jobs (its --status-max-jobs, or
+`--jobs N`) and counts the rest.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def _parser(prog: str, live: bool) -> argparse.ArgumentParser:
     parser.add_argument("--tls-ca", metavar="FILE", help="CA bundle: connect with TLS")
     parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
     parser.add_argument("--tls-key", metavar="FILE", help="client key (mutual TLS)")
+    parser.add_argument("--jobs", type=int, default=0, metavar="N",
+                        help="list up to N jobs, the most recently active (default: the "
+                             "daemon's --status-max-jobs; the daemon keeps the reply "
+                             "under 2 MiB of jobs whatever N)")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                         help="deadline of one status call (default 5)")
     if live:
@@ -75,6 +81,7 @@ class _Client:
     def __init__(self, args: argparse.Namespace) -> None:
         self.address = args.address
         self.timeout_s = args.timeout
+        self.max_jobs = max(0, args.jobs)
         token = args.token
         if args.token_file:
             token = Path(args.token_file).read_text().strip()
@@ -94,7 +101,7 @@ class _Client:
     def fetch(self) -> pb.StatusReply:
         try:
             return fetch_status(self.stub, self.address, self.metadata, self.timeout_s,
-                                self.job)
+                                self.job, self.max_jobs)
         except StatusError as exc:
             # gRPC says "Socket closed" for a refused client certificate: one
             # handshake of our own names the TLS reason, if that is it.
@@ -110,10 +117,11 @@ class _Client:
 
 
 def fetch_status(stub: Any, address: str, metadata: tuple[tuple[str, str], ...] = (),
-                 timeout_s: float = 5.0, job: str = "") -> pb.StatusReply:
+                 timeout_s: float = 5.0, job: str = "", max_jobs: int = 0) -> pb.StatusReply:
     """Call GetStatus; translate a failure into a StatusError that says what to do."""
     try:
-        return stub.GetStatus(pb.StatusRequest(job=job), timeout=timeout_s, metadata=metadata)
+        return stub.GetStatus(pb.StatusRequest(job=job, max_jobs=max_jobs),
+                              timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         hint = {
@@ -135,6 +143,7 @@ def reply_to_dict(reply: pb.StatusReply, address: str = "") -> dict[str, Any]:
         "bytes_held": reply.bytes_held, "max_inflight_bytes": reply.max_inflight_bytes,
         "open_streams": reply.open_streams, "stalled_after_s": reply.stalled_after_s,
         "round_timeout_s": reply.round_timeout_s, "data_port": reply.data_port,
+        "jobs_total": reply.jobs_total, "jobs_open": reply.jobs_open,
         "jobs": [{"job": j.job, "world_sizes": list(j.world_sizes),
                   "open_chunks": j.open_chunks, "open_chunk_bytes": j.open_chunk_bytes,
                   "chunks_completed": j.chunks_completed,
@@ -155,14 +164,18 @@ def render(reply: pb.StatusReply, address: str) -> Group:
         f"  ·  {reply.open_streams} stream(s)  ·  held {_bytes(reply.bytes_held)} of "
         f"{_bytes(reply.max_inflight_bytes)}  ·  round timeout {reply.round_timeout_s:g} s"
         f"  ·  data port {reply.data_port or 'off'}")
-    jobs = Table(title="Jobs", title_justify="left", expand=False)
+    title = "Jobs"
+    if reply.jobs_total > len(reply.jobs):
+        title = (f"Jobs: the {len(reply.jobs)} most recently active of {reply.jobs_total} "
+                 f"({reply.jobs_open} with open chunks; --jobs N lists more)")
+    jobs = Table(title=title, title_justify="left", expand=False)
     for name, justify in (("job", "left"), ("world", "right"), ("open chunks", "right"),
                           ("held", "right"), ("completed", "right"), ("failed", "right"),
                           ("in", "right"),
                           ("out", "right"), ("in/s", "right"), ("out/s", "right")):
         jobs.add_column(name, justify=justify)  # type: ignore[arg-type]
     for j in reply.jobs:
-        jobs.add_row(j.job, ",".join(map(str, j.world_sizes)), str(j.open_chunks),
+        jobs.add_row(_name(j.job), ",".join(map(str, j.world_sizes)), str(j.open_chunks),
                      _bytes(j.open_chunk_bytes), str(j.chunks_completed),
                      Text(str(j.chunks_failed), style="red" if j.chunks_failed else ""),
                      _bytes(j.bytes_in), _bytes(j.bytes_out), _bytes(j.bytes_in_per_s) + "/s",
@@ -175,7 +188,7 @@ def render(reply: pb.StatusReply, address: str) -> Group:
                           ("offset", "right"), ("age", "right"), ("missing ranks", "left")):
         stalled.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in reply.stalled:
-        stalled.add_row(c.job, c.key, str(c.round), str(c.offset), f"{c.age_s:.1f} s",
+        stalled.add_row(_name(c.job), _name(c.key), str(c.round), str(c.offset), f"{c.age_s:.1f} s",
                         Text(f"{_ranges(c.missing_ranks)} of {c.world_size}", style="yellow"))
     if not reply.stalled:
         stalled.add_row(Text("none", style="dim"), *[""] * 5)
@@ -247,6 +260,11 @@ def top_main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     return 0
+
+
+def _name(name: str, limit: int = 64) -> str:
+    """A job or key cut for a table cell (the JSON keeps it whole)."""
+    return name if len(name) <= limit else f"{name[:limit - 3]}..."
 
 
 def _bytes(n: float) -> str:

@@ -66,12 +66,14 @@ class Shard(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., round: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., data: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., layout: _Optional[int] = ..., priority: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job", "brief")
+    __slots__ = ("job", "brief", "max_jobs")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BRIEF_FIELD_NUMBER: _ClassVar[int]
+    MAX_JOBS_FIELD_NUMBER: _ClassVar[int]
     job: str
     brief: bool
-    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ...) -> None: ...
+    max_jobs: int
+    def __init__(self, job: _Optional[str] = ..., brief: _Optional[bool] = ..., max_jobs: _Optional[int] = ...) -> None: ...
 
 class ChunkStatus(_message.Message):
     __slots__ = ("job", "key", "round", "offset", "world_size", "missing_ranks", "age_s")
@@ -118,7 +120,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., chunks_completed: _Optional[int] = ..., chunks_failed: _Optional[int] = ..., open_chunks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bytes_in_per_s: _Optional[float] = ..., bytes_out_per_s: _Optional[float] = ..., world_sizes: _Optional[_Iterable[int]] = ..., first_seen_unix_s: _Optional[float] = ..., open_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s", "data_port")
+    __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s", "data_port", "jobs_total", "jobs_open")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,8 @@ class StatusReply(_message.Message):
     STALLED_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    JOBS_OPEN_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     bytes_held: int
@@ -139,4 +143,6 @@ class StatusReply(_message.Message):
     stalled_after_s: float
     round_timeout_s: float
     data_port: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bytes_held: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., open_streams: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., stalled: _Optional[_Iterable[_Union[ChunkStatus, _Mapping]]] = ..., stalled_after_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
+    jobs_total: int
+    jobs_open: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bytes_held: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., open_streams: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., stalled: _Optional[_Iterable[_Union[ChunkStatus, _Mapping]]] = ..., stalled_after_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., data_port: _Optional[int] = ..., jobs_total: _Optional[int] = ..., jobs_open: _Optional[int] = ...) -> None: ...
