@@ -21,6 +21,7 @@ import heapq
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
@@ -87,6 +88,8 @@ class ReducerServicer:
         self.data_port = 0
         # Which jobs a call's token reaches; set by the daemon (no token: all).
         self.access = Access(None)
+        # Told the peer of every call that passed the token check (grpc_peers).
+        self.on_authenticated: Callable[[str], None] = lambda peer: None
         self.started_s = time.monotonic()
         self._throughput: dict[str, _Throughput] = {}
         # Read when built, not when imported: tests start daemons with smaller caps.
@@ -111,6 +114,7 @@ class ReducerServicer:
         if grant is None:  # the interceptor refuses these first
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         assert grant is not None
+        self.on_authenticated(context.peer())
         refusal = self.calls.refusal(grant.job)
         if refusal is not None:
             self.session.refusals.log(logging.INFO, ("stream", grant.job, "calls"),
@@ -191,6 +195,7 @@ class ReducerServicer:
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED if grant else
                                 grpc.StatusCode.UNAUTHENTICATED, refusal)
+        self.on_authenticated(context.peer())
         try:
             return self._status(request)
         except Exception as exc:

@@ -29,6 +29,7 @@ from reducer_wire.tls import server_context
 from reducerd.core.limits import TRANSPORT_RESERVE_SHARE, MemoryBudget
 from reducerd.core.reduction import UNAVAILABLE, ReductionTable
 from reducerd.core.summing_c import summing_pool
+from reducerd.daemon.grpc_peers import SCAN_PERIOD_S, UnauthenticatedGuard
 from reducerd.daemon.grpc_service import ReducerServicer
 from reducerd.dataplane.plane import DataPlane
 from reducerd.ops.binding import add_port
@@ -53,7 +54,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reducer"].full_name
 # as the data plane's 4,096 do; without a cap they grew with every
 # connection opened until the descriptors ran out (LimitNOFILE 65,536 in the
 # systemd units: about 1 GiB). Workers need one each per daemon, beside
-# their data connections.
+# their data connections. Unauthenticated ones keep to a share of it
+# (reducerd.grpc_peers), and connections without a call are closed after
+# --grpc-idle-timeout (grpc.max_connection_idle_ms: measured to close raw
+# and HTTP/2-handshaked connections alike in grpcio's server, as
+# grpc.max_connection_age_ms does for every connection and
+# grpc.server_handshake_timeout_ms for those short of the HTTP/2 handshake).
 MAX_GRPC_CONNECTIONS = 8192
 TRIM_PERIOD_S = 1.0  # how often the heaps' free memory may be given back (_trim_loop)
 
@@ -123,6 +129,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._bind_guard: socket.socket | None = None  # held while serving (binding.py)
+        self.guard: UnauthenticatedGuard | None = None  # made by start() (grpc_peers.py)
 
     async def start(self) -> int:
         """Bind and start serving; return the bound port."""
@@ -154,6 +161,7 @@ class Daemon:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
             ("grpc.max_allowed_incoming_connections", MAX_GRPC_CONNECTIONS),
+            ("grpc.max_connection_idle_ms", int(cfg.grpc_idle_timeout_s * 1000)),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         server.add_generic_rpc_handlers((self.servicer.handler(),))
@@ -172,6 +180,8 @@ class Daemon:
         self.port, self._bind_guard = add_port(server, cfg.listen_address, credentials)
         await server.start()
         self._server = server
+        self.guard = UnauthenticatedGuard(self.port, MAX_GRPC_CONNECTIONS)
+        self.servicer.on_authenticated = self.guard.note_authenticated
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         host = cfg.listen_address.rpartition(":")[0]
@@ -239,7 +249,8 @@ class Daemon:
         tasks = [asyncio.create_task(self._expire_loop()),
                  asyncio.create_task(self.notifier.watchdog_loop()),
                  asyncio.create_task(self._trim_loop()),
-                 asyncio.create_task(self._busy_loop())]
+                 asyncio.create_task(self._busy_loop()),
+                 asyncio.create_task(self._guard_loop())]
         await self._stop.wait()
         await self._drain()
         for task in tasks:
@@ -305,6 +316,20 @@ class Daemon:
             except Exception:
                 log.exception("reducerd fault while expiring chunks and streams; "
                               "trying again in %g s", period_s)
+
+    async def _guard_loop(self) -> None:
+        """Every SCAN_PERIOD_S, off the loop thread: unauthenticated gRPC
+        connections past their deadline or share are shut down (grpc_peers)."""
+        guard = self.guard
+        if guard is None or not guard.available:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SCAN_PERIOD_S)
+            try:
+                await loop.run_in_executor(None, guard.scan)
+            except Exception:
+                log.exception("reducerd fault while checking the gRPC connections")
 
     async def _busy_loop(self) -> None:
         """Every SAMPLE_S: whether new chunks go to the summing threads (reducerd.ops.busy)."""

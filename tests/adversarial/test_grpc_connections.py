@@ -21,7 +21,11 @@ from probes import assert_alive, good_job, limited_daemon, rss_bytes, wait_until
 pytestmark = pytest.mark.timeout(90)
 
 CAP = 16
-_SMALL_CAP = f"import reducerd.daemon.server as s; s.MAX_GRPC_CONNECTIONS = {CAP}"
+# The unauthenticated share (reducerd.daemon.grpc_peers, test_grpc_idle_flood.py)
+# set to the whole cap: these probes are about the cap itself.
+_SMALL_CAP = (f"import reducerd.daemon.server as s; s.MAX_GRPC_CONNECTIONS = {CAP}; "
+              "import reducerd.daemon.grpc_peers as g; "
+              "g.UNAUTHENTICATED_SHARE = g.PEER_SHARE = 1")
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
