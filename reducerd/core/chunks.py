@@ -94,6 +94,7 @@ class JobStats:
     chunks_failed: int = 0
     open_chunks: int = 0
     open_chunk_bytes: int = 0  # the open chunks' accumulators
+    record_bytes: int = 0  # the open chunks' records and names (limits.chunk_record_bytes)
     bytes_in: int = 0
     bytes_out: int = 0
     last_active_s: float = 0.0  # table clock
@@ -120,6 +121,8 @@ class OpenChunk:
     # Its state on the summing pool (reducerd.core.chunk_sums.ChunkSums), None when
     # the loop thread sums it inline (--threads 1).
     sums: Any = None
+    # Its bookkeeping's cost, counted in the table's record_bytes while open.
+    record_bytes: int = 0
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Failure:
     code: str
     message: str
     expires_s: float
+    nbytes: int = 0  # what the record and its chunk id hold (limits.FAILURE_BYTES_KEPT)
 
 
 def mismatch(chunk: OpenChunk, part: Contribution) -> str:

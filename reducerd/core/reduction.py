@@ -14,6 +14,7 @@ in float32 once all are in, then the result is rounded once to the wire dtype.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Hashable, Iterable
 
@@ -45,10 +46,13 @@ from reducerd.core.limits import (
     MAX_OPEN_CHUNKS_PER_JOB,
     WORLD_SIZES_KEPT,
     MemoryBudget,
+    chunk_record_bytes,
     describe_missing,
     idle_jobs_to_forget,
     job_inflight_limit,
     job_refusal,
+    record_limit,
+    record_refusal,
 )
 from reducerd.core.names import short_name
 from reducerd.core.replies import Reply
@@ -91,9 +95,15 @@ class ReductionTable:
                  budget: MemoryBudget | None = None,
                  summing: AnySummingPool | None = None,
                  max_job_inflight_bytes: int | None = None,
-                 job_forget_after_s: float = JOB_FORGET_AFTER_S) -> None:
+                 job_forget_after_s: float = JOB_FORGET_AFTER_S,
+                 max_record_bytes: int = 0) -> None:
         self.round_timeout_s, self.max_inflight_bytes = round_timeout_s, max_inflight_bytes
         self.job_forget_after_s = max(job_forget_after_s, round_timeout_s)
+        # The open chunks' records and names, within a limit of their own
+        # (limits.record_refusal): beside their accumulators they cost 1-2 KiB
+        # a chunk and up to 8 KiB more with the longest names.
+        self.max_record_bytes = record_limit(max_inflight_bytes, max_record_bytes)
+        self.record_bytes = 0
         self.max_open_chunks_per_job = max_open_chunks_per_job
         # What one job's open chunks may hold (Config.job_inflight_bytes; limits.job_refusal).
         self.max_job_inflight_bytes = job_inflight_limit(max_inflight_bytes,
@@ -275,6 +285,9 @@ class ReductionTable:
                                "down and opens no new chunks", (sink,), part)]
         refusal = job_refusal(job.open_chunks, job.open_chunk_bytes, nbytes,
                               self.max_open_chunks_per_job, self.max_job_inflight_bytes)
+        record = chunk_record_bytes(cid.job, cid.key)
+        refusal = refusal or record_refusal(self.record_bytes, job.record_bytes, record,
+                                            self.max_record_bytes)
         if refusal is not None:
             self.budget.note_pressure()
             return [self._fail(cid, RESOURCE_EXHAUSTED, f"{cid.describe()}: {refusal}",
@@ -301,6 +314,9 @@ class ReductionTable:
                 self.budget.give_accumulator(nbytes)
             raise
         job.open_chunks += 1
+        chunk.record_bytes = record
+        job.record_bytes += record
+        self.record_bytes += record
         job.open_chunk_bytes += nbytes
         self._open[cid] = chunk
         if part.world_size == 1:
@@ -332,7 +348,9 @@ class ReductionTable:
                 sinks = (*sinks, *(sink for sink, _ in chunk.sums.resends))
             self._release(cid, chunk, job)
         job.chunks_failed += 1
-        self._failed.put(cid, Failure(code, message, self._clock() + self.round_timeout_s))
+        self._failed.put(cid, Failure(code, message, self._clock() + self.round_timeout_s,
+                                      chunk_record_bytes(cid.job, cid.key)
+                                      + sys.getsizeof(message)))
         ref = chunk or part
         assert ref is not None
         latency_s = self._clock() - chunk.started_s if chunk is not None else 0.0
@@ -397,6 +415,8 @@ class ReductionTable:
                 chunk.sums = None  # no cycle: all goes once the last task ran, not at a GC pass
             job.open_chunks -= 1
             job.open_chunk_bytes -= chunk.numel * 4
+            job.record_bytes -= chunk.record_bytes
+            self.record_bytes -= chunk.record_bytes
 
 
 def _undelivered(deliveries: list[Delivery]) -> None:

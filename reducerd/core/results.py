@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from reducerd.core.chunks import CachedResult, ChunkId, Failure
-from reducerd.core.limits import FAILURES_KEPT, JOB_CACHE_SHARE
+from reducerd.core.limits import FAILURE_BYTES_KEPT, FAILURES_KEPT, JOB_CACHE_SHARE
 
 __all__ = ["ResultCache", "FailedChunks", "JOB_CACHE_SHARE", "ENTRY_BYTES"]
 
@@ -123,10 +123,12 @@ class ResultCache:
 
 
 class FailedChunks:
-    """The failures of recent chunks, oldest first, at most FAILURES_KEPT."""
+    """The failures of recent chunks, oldest first, at most FAILURES_KEPT and
+    FAILURE_BYTES_KEPT of them (Failure.nbytes)."""
 
     def __init__(self) -> None:
         self._failures: dict[ChunkId, Failure] = {}
+        self.nbytes = 0  # the sum of their nbytes
 
     def __contains__(self, cid: object) -> bool:
         return cid in self._failures
@@ -138,14 +140,17 @@ class FailedChunks:
         return self._failures.get(cid)
 
     def put(self, cid: ChunkId, failure: Failure) -> None:
+        old = self._failures.pop(cid, None)
+        self.nbytes += failure.nbytes - (old.nbytes if old is not None else 0)
         self._failures[cid] = failure
-        if len(self._failures) > FAILURES_KEPT:
-            del self._failures[next(iter(self._failures))]  # the oldest
+        while len(self._failures) > FAILURES_KEPT or self.nbytes > FAILURE_BYTES_KEPT:
+            self.nbytes -= self._failures.pop(next(iter(self._failures))).nbytes  # oldest
 
     def expire(self, now: float) -> None:
         """Forget the failures past their expiry (table clock)."""
         self._failures = {cid: f for cid, f in self._failures.items() if f.expires_s > now}
+        self.nbytes = sum(f.nbytes for f in self._failures.values())
 
     def drop_job(self, name: str) -> None:
         for cid in [cid for cid in self._failures if cid.job == name]:
-            del self._failures[cid]
+            self.nbytes -= self._failures.pop(cid).nbytes

@@ -115,7 +115,8 @@ class Daemon:
                                     max_open_chunks_per_job=config.max_open_chunks_per_job,
                                     max_job_inflight_bytes=config.job_inflight_bytes,
                                     budget=self.budget,
-                                    job_forget_after_s=config.job_idle_expiry_s)
+                                    job_forget_after_s=config.job_idle_expiry_s,
+                                    max_record_bytes=config.max_record_bytes)
         self.session = Session(self.table, max_world_size=config.max_world_size)
         self.servicer = ReducerServicer(self.session, stalled_after_s=config.stalled_after_s,
                                         send_timeout_s=config.round_timeout_s,

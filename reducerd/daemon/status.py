@@ -144,6 +144,7 @@ def reply_to_dict(reply: pb.StatusReply, address: str = "") -> dict[str, Any]:
         "open_streams": reply.open_streams, "stalled_after_s": reply.stalled_after_s,
         "round_timeout_s": reply.round_timeout_s, "data_port": reply.data_port,
         "jobs_total": reply.jobs_total, "jobs_open": reply.jobs_open,
+        "record_bytes": reply.record_bytes, "max_record_bytes": reply.max_record_bytes,
         "jobs": [{"job": j.job, "world_sizes": list(j.world_sizes),
                   "open_chunks": j.open_chunks, "open_chunk_bytes": j.open_chunk_bytes,
                   "chunks_completed": j.chunks_completed,

@@ -79,6 +79,9 @@ class Config:
     max_open_chunks_per_job: int = MAX_OPEN_CHUNKS_PER_JOB
     # Accumulator bytes one job's open chunks may hold; 0: half of max_inflight_bytes.
     max_inflight_bytes_per_job: int = 0
+    # What the open chunks' records (ids, names, per-chunk bookkeeping) may
+    # hold, beside --max-inflight-bytes; one job half; 0: 1/8 of max_inflight_bytes.
+    max_record_bytes: int = 0
     # Largest world_size a shard may declare (beyond: INVALID_ARGUMENT); at most 2^32-1.
     max_world_size: int = DEFAULT_MAX_WORLD_SIZE
     # A stream with nothing open and no message for this long is ended (OK);
@@ -182,7 +185,7 @@ class Config:
         if self.status_max_jobs < 1:
             raise ConfigError(f"status_max_jobs: must be >= 1, got {self.status_max_jobs}")
         for name in ("max_inflight_bytes_per_job", "pool_chunk_bytes", "pool_busy_cores",
-                     "metrics_max_jobs", "token_grace_s"):
+                     "metrics_max_jobs", "token_grace_s", "max_record_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         self._validate_credential()
@@ -302,6 +305,7 @@ _FLAGS = {
     "--threads": "threads",
     "--pool-chunk-bytes": "pool_chunk_bytes",
     "--pool-busy-cores": "pool_busy_cores",
+    "--max-record-bytes": "max_record_bytes",
     "--token-grace": "token_grace_s",
     "--job-idle-expiry": "job_idle_expiry_s",
     "--status-max-jobs": "status_max_jobs",
@@ -345,6 +349,9 @@ _HELP = {
                         f"(default {DEFAULT_POOL_CHUNK_BYTES}; 0: every chunk)",
     "pool_busy_cores": f"with --threads > 1, pool chunks only while the daemon uses this many "
                        f"cores, else sum inline (default {DEFAULT_POOL_BUSY_CORES}; 0: always)",
+    "max_record_bytes": "bytes the open chunks' records and names may hold, beside "
+                        "--max-inflight-bytes; one job half (default 0: 1/8 of "
+                        "--max-inflight-bytes)",
     "token_grace_s": "after SIGHUP rotates the token, seconds the previous one still "
                      "authorizes (default 300; 0: none)",
     "job_idle_expiry_s": "forget a job (status row, counters) idle this many seconds with "

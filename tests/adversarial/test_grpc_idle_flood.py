@@ -43,6 +43,8 @@ def _http2_connection(port: int) -> socket.socket | None:
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
+    if sock.fileno() < 0:  # closed here, and not reopened
+        return True
     sock.setblocking(False)
     try:
         while True:

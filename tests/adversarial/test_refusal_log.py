@@ -14,8 +14,16 @@ from __future__ import annotations
 import re
 import time
 
-from probes import (LONG, RawStream, assert_alive, good_job, rss_bytes, shard,
-                    token_daemon, wait_until)
+from probes import (
+    LONG,
+    RawStream,
+    assert_alive,
+    good_job,
+    rss_bytes,
+    shard,
+    token_daemon,
+    wait_until,
+)
 
 from reducerd.access import job_token
 from reducerd.ops.logs import NAME_LOG_CHARS

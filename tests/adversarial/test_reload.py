@@ -69,7 +69,7 @@ def test_sighup_rotates_the_token_under_traffic_and_honours_the_old_one_for_its_
         trainer.join(90)
         assert not errors, errors
         assert len(results) == 2 * rounds, "rounds were dropped"
-        for (rank, r), total in results.items():
+        for (_rank, r), total in results.items():
             np.testing.assert_array_equal(total, np.full(1 << 16, 10 + 2 * r, np.float32))
         # After the grace: the old token and its job tokens no longer authorize.
         time.sleep(max(0.0, rotated_at + GRACE_S + 0.5 - time.monotonic()))

@@ -16,8 +16,17 @@ import json
 import subprocess
 import sys
 
-from probes import (LONG, MiB, RawStream, assert_alive, get_status, good_job, shard,
-                    token_daemon, wait_until)
+from probes import (
+    LONG,
+    MiB,
+    RawStream,
+    assert_alive,
+    get_status,
+    good_job,
+    shard,
+    token_daemon,
+    wait_until,
+)
 
 TOKEN = "status-many-jobs"
 JOBS = 16_000 if LONG else 2_000
@@ -34,7 +43,7 @@ def _make_jobs(address: str, count: int) -> None:
     try:
         for i in range(count):
             stream.send(shard(_name(i), 0, 1, [float(i)], key="k"))
-        for i in range(count):
+        for _ in range(count):
             reply = stream.next_reply(timeout=30)
             assert not reply.error_code, reply.error_message
     finally:

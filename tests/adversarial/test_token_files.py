@@ -17,9 +17,9 @@ import sys
 import pytest
 from probes import AS_LIMIT_BYTES
 
-_ENTRY = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
-          "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))"
-          ).format(AS_LIMIT_BYTES)
+_LIMIT = AS_LIMIT_BYTES
+_ENTRY = (f"import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({_LIMIT}, {_LIMIT})); "
+          "from reducerd.__main__ import main; sys.exit(main(sys.argv[1:]))")
 
 
 @pytest.mark.parametrize(("content", "problem"), [

@@ -5,7 +5,7 @@ import pytest
 from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
+from reducerd.core.reduction import JOB_FORGET_AFTER_S, ChunkId, Contribution, ReductionTable
 from reducerd.core.results import ENTRY_BYTES
 
 F16, BF16, F32 = pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT32
@@ -171,10 +171,10 @@ def test_idle_jobs_are_forgotten():
     clock = Clock()
     table = ReductionTable(5.0, 1 << 30, clock=clock)
     table.contribute(CID, part(0, [1.0], world_size=1), "r0")
-    clock.now = 3599.0
+    clock.now = JOB_FORGET_AFTER_S - 1
     table.expire()
     assert "job" in table.jobs
-    clock.now = 3601.0
+    clock.now = JOB_FORGET_AFTER_S + 1
     table.expire()
     assert "job" not in table.jobs
 

@@ -120,7 +120,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., chunks_completed: _Optional[int] = ..., chunks_failed: _Optional[int] = ..., open_chunks: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., bytes_in_per_s: _Optional[float] = ..., bytes_out_per_s: _Optional[float] = ..., world_sizes: _Optional[_Iterable[int]] = ..., first_seen_unix_s: _Optional[float] = ..., open_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s", "data_port", "jobs_total", "jobs_open")
+    __slots__ = ("version", "uptime_s", "bytes_held", "max_inflight_bytes", "open_streams", "jobs", "stalled", "stalled_after_s", "round_timeout_s", "data_port", "jobs_total", "jobs_open", "record_bytes", "max_record_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,8 @@ class StatusReply(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     JOBS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     JOBS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     bytes_held: int
@@ -145,4 +147,6 @@ class StatusReply(_message.Message):
     data_port: int
     jobs_total: int
     jobs_open: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bytes_held: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., open_streams: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., stalled: _Optional[_Iterable[_Union[ChunkStatus, _Mapping]]] = ..., stalled_after_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., data_port: _Optional[int] = ..., jobs_total: _Optional[int] = ..., jobs_open: _Optional[int] = ...) -> None: ...
+    record_bytes: int
+    max_record_bytes: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., bytes_held: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., open_streams: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., stalled: _Optional[_Iterable[_Union[ChunkStatus, _Mapping]]] = ..., stalled_after_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., data_port: _Optional[int] = ..., jobs_total: _Optional[int] = ..., jobs_open: _Optional[int] = ..., record_bytes: _Optional[int] = ..., max_record_bytes: _Optional[int] = ...) -> None: ...
