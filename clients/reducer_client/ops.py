@@ -55,7 +55,11 @@ class Operation:
 
     def __init__(self, key: str, round_: int, out: np.ndarray, result: np.ndarray,
                  dtype: int, chunks: Sequence[Chunk], deadline_s: float,
-                 on_settled: SettleCallback | None = None) -> None:
+                 on_settled: SettleCallback | None = None,
+                 explain: Callable[[ReducerError], ReducerError] | None = None) -> None:
+        """`explain`: maps the error the operation fails with to its cause
+        where one is known (ReducerClient: a daemon that went away behind
+        another daemon's DEADLINE_EXCEEDED)."""
         self.future: Future[np.ndarray] = Future()
         self.future.set_running_or_notify_cancel()  # cannot be cancelled from now on
         self.key, self.round = key, round_
@@ -64,6 +68,7 @@ class Operation:
         self.chunks = chunks
         self.deadline_s = deadline_s
         self._on_settled = on_settled
+        self._explain = explain
         # _lock guards _answered, remaining and settled (reader threads, the
         # watchdog, closers); nothing is called while it is held.
         self._lock = threading.Lock()
@@ -133,6 +138,12 @@ class Operation:
             if self.settled:
                 return False
             self.settled = True
+        if self._explain is not None:
+            try:
+                error = self._explain(error)
+            except Exception:  # the error as it came, rather than none
+                log.exception("key %r round %d: explaining %r failed", self.key, self.round,
+                              error)
         self._settle(error)
         return True
 
