@@ -285,6 +285,62 @@ def test_a_local_rank_that_rebuilds_first_waits_for_the_new_coordinator(job):
                 g.close()
 
 
+def test_a_coordinator_that_hangs_up_during_the_hello_is_retried(job):
+    """The race behind the rebuild test's rare UNAVAILABLE "Connection reset by
+    peer" under load: the old coordinator, closing, shut the connections it
+    had accepted but not answered, and the worker gave up at once instead of
+    retrying as for "retry". Here a listener on the node's socket accepts each
+    hello and closes it unread (a reset) or with no answer, for 0.6 s; then a
+    real local rank 0 starts. Local rank 1 must get in."""
+    address = socket_address(job, 0)
+    hangups = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hangups.bind(address)
+    hangups.listen(16)
+    hangups.settimeout(0.05)
+    closed = {"reset": 0, "no answer": 0}
+    stop_at = time.monotonic() + 0.6
+
+    def hang_up():
+        while time.monotonic() < stop_at:
+            try:
+                conn, _ = hangups.accept()
+            except TimeoutError:
+                continue
+            if sum(closed.values()) % 2:  # read the hello, answer nothing
+                conn.recv(1 << 16)
+                closed["no answer"] += 1
+            else:
+                closed["reset"] += 1  # unread: the worker's read gets ECONNRESET
+            conn.close()
+        hangups.close()
+
+    rebuilt = {}
+
+    def local_rank_1():
+        try:
+            rebuilt[1] = group(job, 1, timeout_s=4.0)
+        except ReducerError as exc:
+            rebuilt[1] = exc
+
+    hanger = threading.Thread(target=hang_up)
+    hanger.start()
+    worker = threading.Thread(target=local_rank_1)
+    worker.start()
+    hanger.join(5)
+    try:
+        rebuilt[0] = group(job, 0, timeout_s=4.0)
+        worker.join(6)
+        assert isinstance(rebuilt[1], NodeGroup), rebuilt[1]
+        assert closed["reset"] and closed["no answer"], closed
+        futures = [reduce(rebuilt[r], [1.0], "k") for r in range(2)]
+        assert [f.result(5).tolist() for f in futures] == [[2.0]] * 2
+    finally:
+        worker.join(5)
+        for g in (rebuilt.get(1), rebuilt.get(0)):
+            if isinstance(g, NodeGroup):
+                g.close()
+
+
 _CLOSE_UNDER_ROWS_SCRIPT = """
 import numpy as np
 from reducer_client.node.group import _NodeOp

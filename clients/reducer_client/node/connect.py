@@ -6,8 +6,9 @@ bind it first. So the worker checks who listens (SO_PEERCRED) before it says
 anything, and attaches only segments of its own job and node (group.py).
 
 A coordinator that is going away (its node aborted: a local rank closed its
-client for an elastic reset, say) answers a hello with ["retry", why]: the
-worker then retries, as while local rank 0 starts, until its deadline.
+client for an elastic reset, say) answers a hello with ["retry", why], or
+closes the connection before it answers: the worker then retries, as while
+local rank 0 starts, until its deadline.
 """
 
 from __future__ import annotations
@@ -91,11 +92,16 @@ def _hello(job: str, topo: NodeTopology, deadline: float, where: str) -> list | 
         sock.sendall(encode(["hello", topo.local_rank, topo.local_size, topo.nodes]))
         line = sock.makefile("rb").readline()
     except OSError as exc:
+        # A coordinator going away closes the sockets it has not answered
+        # (a reset, as our hello is unread): like its "retry", a new one may
+        # come; connect() retries until its deadline and then names this.
         sock.close()
-        raise ReducerError(grpc.StatusCode.UNAVAILABLE,
-                           f"{where}: no answer from local rank 0: {exc}") from exc
+        return ["retry", f"local rank 0 hung up during the hello: {exc}"]
     sock.settimeout(None)
-    message = json.loads(line) if line else ["abort", "local rank 0 hung up"]
+    if not line:
+        sock.close()
+        return ["retry", "local rank 0 hung up during the hello"]
+    message = json.loads(line)
     if message[0] == "retry":
         sock.close()
         return message
