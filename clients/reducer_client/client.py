@@ -35,7 +35,7 @@ from reducer_client.env import (
     settings_from_env,
     wire_numpy_from_env,
 )
-from reducer_client.errors import ReducerError
+from reducer_client.errors import ReducerError, cause_behind
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
@@ -339,7 +339,8 @@ class ReducerClient:
         sends -0.0 (x + -0.0 == x, also for x = -0.0): a broadcast's non-root ranks.
         """
         operation = Operation(key, round_, out, result, dtype, chunks,
-                              time.monotonic() + self.timeout, self._settled, self._cause)
+                              time.monotonic() + self.timeout, self._settled,
+                              lambda error: cause_behind(error, self._links))
         if operation.settled:  # no chunks
             return operation
         try:
@@ -374,29 +375,6 @@ class ReducerClient:
             by_link[chunk.daemon].append((operation.key, operation.round, chunk.offset))
         for daemon, keys in by_link.items():
             self._links[daemon].forget(keys)
-
-    def _cause(self, error: ReducerError) -> ReducerError:
-        """The error an operation fails with, or its cause where one is known.
-
-        A daemon that went away leaves the ranks that noticed first stopped,
-        so the other daemons fail the chunks those ranks no longer send with
-        DEADLINE_EXCEEDED (the round timeout, naming the missing ranks): the
-        echo, which often comes before the dead daemon's own UNAVAILABLE (its
-        link retries until the client's timeout). Whichever operation, bucket
-        or shim meets the echo first, a link that lost its daemon and has not
-        heard from it since is named as the cause (UNAVAILABLE, retryable),
-        the echo kept in the message.
-        """
-        if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
-            return error
-        gone = [link for link in self._links
-                if link.last_error is not None
-                and link.last_error.code == grpc.StatusCode.UNAVAILABLE]
-        if not gone:
-            return error
-        return ReducerError(grpc.StatusCode.UNAVAILABLE,
-                            f"{gone[0].last_error} (the cause: daemon {gone[0].address} went "
-                            f"away; meanwhile {error})", retryable=True)
 
     def _timeout_error(self, operation: Operation) -> ReducerError:
         where = (f"job {self.job!r} key {operation.key!r} round {operation.round} "

@@ -32,8 +32,8 @@ import grpc
 from reducer_wire.codes import status_code_from_value
 from reducer_wire.tls import TLS_REFUSAL
 
-__all__ = ["ReducerError", "RETRYABLE_CODES", "first_cause", "status_code_from_value",
-           "stream_error"]
+__all__ = ["ReducerError", "RETRYABLE_CODES", "cause_behind", "first_cause",
+           "status_code_from_value", "stream_error"]
 
 # Codes a retry can help whatever the context: the daemon went away.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -97,3 +97,26 @@ def first_cause(error: Exception, others: Iterable[Future[Any]]) -> Exception:
             if isinstance(exc, ReducerError) and exc.code == grpc.StatusCode.UNAVAILABLE:
                 return exc
     return error
+
+
+def cause_behind(error: ReducerError, links: Iterable[Any]) -> ReducerError:
+    """The error an operation fails with, or its cause where one is known.
+
+    A daemon that went away leaves the ranks that noticed first stopped, so
+    the other daemons fail the chunks those ranks no longer send with
+    DEADLINE_EXCEEDED (the round timeout, naming the missing ranks): the
+    echo, which often comes before the dead daemon's own UNAVAILABLE (its
+    link retries until the client's timeout). Whichever operation, bucket or
+    shim meets the echo first, a link (of `links`: `.address`, `.last_error`)
+    that lost its daemon and has not heard from it since is named as the
+    cause (UNAVAILABLE, retryable), the echo kept in the message.
+    """
+    if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return error
+    gone = next((link for link in links if link.last_error is not None
+                 and link.last_error.code == grpc.StatusCode.UNAVAILABLE), None)
+    if gone is None:
+        return error
+    return ReducerError(grpc.StatusCode.UNAVAILABLE,
+                        f"{gone.last_error} (the cause: daemon {gone.address} went away; "
+                        f"meanwhile {error})", retryable=True)

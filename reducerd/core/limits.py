@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import queue
-import sys
 import threading
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -30,8 +29,7 @@ __all__ = ["MAX_OPEN_CHUNKS_PER_JOB", "MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEP
            "TRANSPORT_RESERVE_SHARE", "JOB_TRANSPORT_SHARE", "FAILURES_KEPT", "missing_ranks",
            "describe_missing", "job_refusal", "job_inflight_limit", "JOB_ACCUMULATOR_SHARE",
            "JOB_CACHE_SHARE", "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
-           "CHUNK_RECORD_BYTES", "FAILURE_BYTES_KEPT", "chunk_record_bytes", "record_limit",
-           "record_refusal",
+           "FAILURE_BYTES_KEPT",
            "StreamCount", "MemoryBudget", "Credit"]
 
 # Open chunks one job may hold (the default of --max-open-chunks-per-job).
@@ -54,7 +52,7 @@ JOB_CACHE_SHARE = 2
 JOB_STREAM_SHARE = 2
 # Jobs the table keeps records of (counters, incarnations, layout: about 3 KiB
 # each). Beyond, the least recently active eighth of those with nothing open
-# is forgotten before the hour is up: a tenant naming a new job in every shard
+# is forgotten before its --job-idle-expiry: a tenant naming a new job in every shard
 # cannot grow the table without bound.
 JOBS_KEPT = 16384
 # Failed chunks remembered (a late contributor hears the failure, for a round
@@ -95,49 +93,6 @@ def job_inflight_limit(max_inflight_bytes: int, per_job: int = 0) -> int:
     (--max-inflight-bytes-per-job), or by default 1/JOB_ACCUMULATOR_SHARE
     of `max_inflight_bytes`."""
     return per_job or max_inflight_bytes // JOB_ACCUMULATOR_SHARE
-
-
-# What an open chunk's bookkeeping costs beside its accumulator and names:
-# its ChunkId, OpenChunk record, rank set, sink dict, the accumulator's array
-# object, and its entries in the table's and its stream's dicts. Measured as
-# the daemon's VmRSS growth per open chunk of 2 bytes with 1,000-character
-# names (tests/adversarial/test_bookkeeping.py), less the names' own
-# sys.getsizeof: 1.2 KiB with ASCII names, 1.8 KiB with 4-byte characters;
-# counted with a margin.
-CHUNK_RECORD_BYTES = 2560
-# Records may hold 1/RECORD_SHARE of --max-inflight-bytes, at least
-# RECORD_FLOOR_BYTES (about 1,800 chunks with short names), unless
-# --max-record-bytes says otherwise; one job half of that.
-RECORD_SHARE = 8
-RECORD_FLOOR_BYTES = 4 << 20
-
-
-def chunk_record_bytes(job: str, key: str) -> int:
-    """The memory an open chunk's bookkeeping holds, its job and key included
-    (each counted once per chunk: a shard's names are its own strings)."""
-    return CHUNK_RECORD_BYTES + sys.getsizeof(job) + sys.getsizeof(key)
-
-
-def record_limit(max_inflight_bytes: int, max_record_bytes: int) -> int:
-    """--max-record-bytes, or for 0 1/RECORD_SHARE of --max-inflight-bytes
-    (RECORD_FLOOR_BYTES at least)."""
-    return max_record_bytes or max(RECORD_FLOOR_BYTES, max_inflight_bytes // RECORD_SHARE)
-
-
-def record_refusal(held_bytes: int, job_bytes: int, nbytes: int, limit_bytes: int,
-                   ) -> str | None:
-    """Why a chunk whose records cost `nbytes` may not open (the daemon's open
-    chunks' records hold `held_bytes`, its job's `job_bytes`), or None."""
-    if held_bytes + nbytes > limit_bytes:
-        return (f"the daemon's open chunks' records (ids, names, bookkeeping) hold "
-                f"{held_bytes} bytes; this chunk's need {nbytes} more, over the limit of "
-                f"{limit_bytes} (--max-record-bytes; by default 1/{RECORD_SHARE} of "
-                f"--max-inflight-bytes, 4 MiB at least)")
-    if job_bytes + nbytes > limit_bytes // 2:
-        return (f"job's open chunks' records (ids, names, bookkeeping) hold {job_bytes} "
-                f"bytes; this chunk's need {nbytes} more, over its share of "
-                f"{limit_bytes // 2} (half of --max-record-bytes)")
-    return None
 
 
 def job_refusal(open_chunks: int, open_bytes: int, nbytes: int, max_chunks: int,

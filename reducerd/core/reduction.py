@@ -14,7 +14,6 @@ in float32 once all are in, then the result is rounded once to the wire dtype.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Hashable, Iterable
 
@@ -42,19 +41,15 @@ from reducerd.core.chunks import (
 )
 from reducerd.core.incarnations import Restart
 from reducerd.core.limits import (
-    JOBS_KEPT,
     MAX_OPEN_CHUNKS_PER_JOB,
     WORLD_SIZES_KEPT,
     MemoryBudget,
-    chunk_record_bytes,
     describe_missing,
-    idle_jobs_to_forget,
     job_inflight_limit,
     job_refusal,
-    record_limit,
-    record_refusal,
 )
 from reducerd.core.names import short_name
+from reducerd.core.records import ChunkRecords, JobRecords
 from reducerd.core.replies import Reply
 from reducerd.core.results import FailedChunks, ResultCache
 from reducerd.core.summing_c import AnySummingPool
@@ -66,8 +61,7 @@ __all__ = ["ChunkId", "Contribution", "Delivery", "ReductionTable", "JobStats",
 
 log = logging.getLogger("reducerd")
 
-# A job with nothing open for this long is forgotten (its stats too); the
-# daemon's --job-idle-expiry, never under its round timeout.
+# A job with nothing open for this long is forgotten (its stats too): --job-idle-expiry.
 JOB_FORGET_AFTER_S = 300.0
 # The longest a restart waits (loop thread) for the summing threads to free the earlier era's.
 RESTART_DRAIN_S = 2.0
@@ -98,19 +92,14 @@ class ReductionTable:
                  job_forget_after_s: float = JOB_FORGET_AFTER_S,
                  max_record_bytes: int = 0) -> None:
         self.round_timeout_s, self.max_inflight_bytes = round_timeout_s, max_inflight_bytes
-        self.job_forget_after_s = max(job_forget_after_s, round_timeout_s)
-        # The open chunks' records and names, within a limit of their own
-        # (limits.record_refusal): beside their accumulators they cost 1-2 KiB
-        # a chunk and up to 8 KiB more with the longest names.
-        self.max_record_bytes = record_limit(max_inflight_bytes, max_record_bytes)
-        self.record_bytes = 0
+        self.records = ChunkRecords(max_inflight_bytes, max_record_bytes)  # and names
         self.max_open_chunks_per_job = max_open_chunks_per_job
         # What one job's open chunks may hold (Config.job_inflight_bytes; limits.job_refusal).
         self.max_job_inflight_bytes = job_inflight_limit(max_inflight_bytes,
                                                          max_job_inflight_bytes or 0)
         # Shared with the transports when the daemon builds it (their buffers count too).
         self.budget = budget or MemoryBudget(max_inflight_bytes)
-        self.jobs: dict[str, JobStats] = {}
+        self.jobs = JobRecords(max(job_forget_after_s, round_timeout_s))
         self._clock = clock
         self._open = OpenChunks()
         self._failed = FailedChunks()
@@ -161,16 +150,11 @@ class ReductionTable:
                    ) -> list[Delivery]:
         """Count `part` towards `chunk`; return the deliveries this causes."""
         now = self._clock()
-        job = self.jobs.get(chunk.job)
-        if job is None:
-            if len(self.jobs) >= JOBS_KEPT:
-                for name in idle_jobs_to_forget(self.jobs, max(1, JOBS_KEPT // 8)):
-                    del self.jobs[name]
-                if len(self.jobs) >= JOBS_KEPT:  # every one of them has chunks open
-                    return [self._error(chunk, part, (sink,), RESOURCE_EXHAUSTED,
-                                        f"{chunk.describe()}: the daemon holds open chunks of "
-                                        f"{len(self.jobs)} jobs, as many as it keeps")]
-            job = self.jobs[chunk.job] = JobStats(first_seen_s=time.time())
+        job = self.jobs.admit(chunk.job)
+        if job is None:  # every job it keeps has chunks open
+            return [self._error(chunk, part, (sink,), RESOURCE_EXHAUSTED,
+                                f"{chunk.describe()}: the daemon holds open chunks of "
+                                f"{len(self.jobs)} jobs, as many as it keeps")]
         if part.incarnation:  # an old client's 0 is never checked (reducerd.core.incarnations)
             verdict = job.incarnations.check(part.rank, part.incarnation, part.world_size)
             if isinstance(verdict, str):
@@ -230,9 +214,7 @@ class ReductionTable:
         now = self._clock()
         self._failed.expire(now)
         self._results.expire(now)
-        for name in [name for name, job in self.jobs.items()
-                     if not job.open_chunks and now - job.last_active_s > self.job_forget_after_s]:
-            del self.jobs[name]  # its counters would otherwise pile up for ever
+        self.jobs.forget_idle(now)  # their counters would otherwise pile up for ever
         deliveries = []
         for cid in self._open.late(now, self.round_timeout_s):
             chunk = self._open[cid]
@@ -285,9 +267,7 @@ class ReductionTable:
                                "down and opens no new chunks", (sink,), part)]
         refusal = job_refusal(job.open_chunks, job.open_chunk_bytes, nbytes,
                               self.max_open_chunks_per_job, self.max_job_inflight_bytes)
-        record = chunk_record_bytes(cid.job, cid.key)
-        refusal = refusal or record_refusal(self.record_bytes, job.record_bytes, record,
-                                            self.max_record_bytes)
+        refusal = refusal or self.records.refusal(job.record_bytes, record := self.records.of(cid))
         if refusal is not None:
             self.budget.note_pressure()
             return [self._fail(cid, RESOURCE_EXHAUSTED, f"{cid.describe()}: {refusal}",
@@ -314,9 +294,7 @@ class ReductionTable:
                 self.budget.give_accumulator(nbytes)
             raise
         job.open_chunks += 1
-        chunk.record_bytes = record
-        job.record_bytes += record
-        self.record_bytes += record
+        self.records.take(job, chunk, record)
         job.open_chunk_bytes += nbytes
         self._open[cid] = chunk
         if part.world_size == 1:
@@ -348,9 +326,7 @@ class ReductionTable:
                 sinks = (*sinks, *(sink for sink, _ in chunk.sums.resends))
             self._release(cid, chunk, job)
         job.chunks_failed += 1
-        self._failed.put(cid, Failure(code, message, self._clock() + self.round_timeout_s,
-                                      chunk_record_bytes(cid.job, cid.key)
-                                      + sys.getsizeof(message)))
+        self._failed.put(cid, Failure(code, message, self._clock() + self.round_timeout_s))
         ref = chunk or part
         assert ref is not None
         latency_s = self._clock() - chunk.started_s if chunk is not None else 0.0
@@ -365,8 +341,7 @@ class ReductionTable:
     def _layout_mismatch(self, cid: ChunkId, part: Contribution, sink: Hashable,
                          job: JobStats) -> list[Delivery]:
         """Fail the job's open chunks: its ranks disagree on the daemon list."""
-        message = (f"job {short_name(cid.job)}: rank {part.rank} and rank {job.layout_rank} "
-                   "disagree "
+        message = (f"job {short_name(cid.job)}: ranks {part.rank} and {job.layout_rank} disagree "
                    "on the chunk layout (the daemon list, its order, chunk_bytes, or a "
                    "client version that cuts keys by another rule); give every worker the "
                    "same REDUCER_ADDRESSES in the same order and the same reducer_client")
@@ -382,8 +357,7 @@ class ReductionTable:
         """Drop what the job's earlier incarnation left: fail its open chunks,
         forget its failures and cached results (a new era began)."""
         message = (f"job {short_name(name)} restarted (rank {verdict.rank}: {verdict.reason}): "
-                   "this round "
-                   "of the earlier incarnation is abandoned")
+                   "this round of the earlier incarnation is abandoned")
         failed = [self._fail(open_id, FAILED_PRECONDITION, f"{open_id.describe()}: {message}",
                              tuple(c.sinks))
                   for open_id, c in self._open.of_job(name)]
@@ -415,8 +389,7 @@ class ReductionTable:
                 chunk.sums = None  # no cycle: all goes once the last task ran, not at a GC pass
             job.open_chunks -= 1
             job.open_chunk_bytes -= chunk.numel * 4
-            job.record_bytes -= chunk.record_bytes
-            self.record_bytes -= chunk.record_bytes
+            self.records.give(job, chunk)
 
 
 def _undelivered(deliveries: list[Delivery]) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from reducerd.core.chunks import CachedResult, ChunkId, Failure
 from reducerd.core.limits import FAILURE_BYTES_KEPT, FAILURES_KEPT, JOB_CACHE_SHARE
+from reducerd.core.records import failure_record_bytes
 
 __all__ = ["ResultCache", "FailedChunks", "JOB_CACHE_SHARE", "ENTRY_BYTES"]
 
@@ -140,6 +141,7 @@ class FailedChunks:
         return self._failures.get(cid)
 
     def put(self, cid: ChunkId, failure: Failure) -> None:
+        failure.nbytes = failure.nbytes or failure_record_bytes(cid.job, cid.key, failure.message)
         old = self._failures.pop(cid, None)
         self.nbytes += failure.nbytes - (old.nbytes if old is not None else 0)
         self._failures[cid] = failure

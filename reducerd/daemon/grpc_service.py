@@ -211,7 +211,7 @@ class ReducerServicer:
             bytes_held=table.budget.held_bytes, max_inflight_bytes=table.max_inflight_bytes,
             open_streams=len(self.session.streams), stalled_after_s=self.stalled_after_s,
             round_timeout_s=table.round_timeout_s, data_port=self.data_port,
-            record_bytes=table.record_bytes, max_record_bytes=table.max_record_bytes)
+            record_bytes=table.records.held_bytes, max_record_bytes=table.records.limit_bytes)
         if request.brief:
             return reply
         jobs = ([(request.job, table.jobs[request.job])] if request.job in table.jobs

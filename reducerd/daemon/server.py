@@ -11,7 +11,6 @@ every open round and stream carried on.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import socket
@@ -31,10 +30,11 @@ from reducerd.core.reduction import UNAVAILABLE, ReductionTable
 from reducerd.core.summing_c import summing_pool
 from reducerd.daemon.grpc_peers import SCAN_PERIOD_S, UnauthenticatedGuard
 from reducerd.daemon.grpc_service import ReducerServicer
+from reducerd.daemon.reload import reload_daemon
 from reducerd.dataplane.plane import DataPlane
 from reducerd.ops.binding import add_port
 from reducerd.ops.busy import SAMPLE_S, BusyGate
-from reducerd.ops.config import RELOADABLE, Config, ConfigError
+from reducerd.ops.config import Config
 from reducerd.ops.memory import HeapTrimmer
 from reducerd.ops.notify import Notifier
 from reducerd.service.access import Access
@@ -262,48 +262,9 @@ class Daemon:
         self._stop.set()
 
     def reload(self) -> list[str]:
-        """SIGHUP: read the configuration and the token file again and apply
-        what may change while serving; log each change, and what would need a
-        restart. A configuration that does not validate changes nothing.
-        Returns the changes (for tests)."""
-        old = self.config
-        try:
-            new = self._reload_config()
-            token = new.auth_token()
-        except ConfigError as exc:
-            log.error("SIGHUP: nothing reloaded, the configuration in use stays: %s", exc)
-            return []
-        changes = []
-        if token != self.access.token:
-            if token is None or self.access.token is None:
-                log.warning("SIGHUP: turning the token %s needs a restart; the token in "
-                            "use stays", "off" if token is None else "on")
-            else:
-                self.access.rotate(token, new.token_grace_s)
-                changes.append(f"token rotated (the previous one authorizes for "
-                               f"{new.token_grace_s:g} s more)")
-        updates = {name: getattr(new, name) for name in RELOADABLE
-                   if getattr(new, name) != getattr(old, name)}
-        changes += [f"{name} {getattr(old, name)!r} -> {value!r}"
-                    for name, value in updates.items()]
-        self.config = dataclasses.replace(old, **updates)
-        self._apply_reloadable()
-        fixed = [f.name for f in dataclasses.fields(Config)
-                 if f.name not in RELOADABLE and f.name not in _FROM_THE_ENVIRONMENT
-                 and getattr(new, f.name) != getattr(old, f.name)]
-        log.info("SIGHUP: %s", "; ".join(changes) if changes else "nothing changed")
-        if fixed:
-            log.warning("SIGHUP: changed but applied at a restart only: %s", ", ".join(fixed))
-        return changes
-
-    def _apply_reloadable(self) -> None:
-        cfg = self.config
-        logging.getLogger().setLevel(cfg.log_level.upper())
-        self.servicer.stalled_after_s = cfg.stalled_after_s
-        self.servicer.status_max_jobs = cfg.status_max_jobs
-        self.table.job_forget_after_s = max(cfg.job_idle_expiry_s, cfg.round_timeout_s)
-        if self.metrics is not None:
-            self.metrics.stalled_after_s = cfg.stalled_after_s
+        """SIGHUP: the configuration and token file read again, what may change
+        applied (reducerd.daemon.reload); the changes, for tests."""
+        return reload_daemon(self, self._reload_config)
 
     async def _expire_loop(self) -> None:
         """Expire chunks and idle streams every tick, for as long as the daemon
@@ -389,10 +350,6 @@ class Daemon:
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop_http)
         log.info("stopped")
-
-
-# Config fields read from the environment at the start, not options.
-_FROM_THE_ENVIRONMENT = ("credentials_directory", "notify_socket", "watchdog_s", "wire_numpy")
 
 
 def _read(path: str | None) -> bytes:

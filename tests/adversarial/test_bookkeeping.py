@@ -30,8 +30,8 @@ from probes import (
 )
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.access import job_token
-from reducerd.limits import CHUNK_RECORD_BYTES
+from reducerd.core.records import CHUNK_RECORD_BYTES
+from reducerd.service.access import job_token
 
 pytestmark = pytest.mark.timeout(240 if LONG else 90)
 

@@ -25,8 +25,8 @@ from probes import (
     wait_until,
 )
 
-from reducerd.access import job_token
 from reducerd.ops.logs import NAME_LOG_CHARS
+from reducerd.service.access import job_token
 
 DAEMON_TOKEN = "refusal-log-token"
 REFUSALS = 20_000 if LONG else 2_000

@@ -20,7 +20,7 @@ import pytest
 from probes import assert_alive, get_status, good_job, token_daemon, wait_until
 from reducer_client import ReducerClient
 
-from reducerd.access import job_token
+from reducerd.service.access import job_token
 
 OLD, NEW = "old-token-0123456789", "new-token-9876543210"
 GRACE_S = 4.0

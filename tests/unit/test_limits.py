@@ -65,7 +65,7 @@ def test_missing_ranks_cost_follows_the_ranks_present():
 
 def test_expiry_of_a_huge_world_is_instant_and_its_message_small():
     clock = Clock()
-    table = ReductionTable(5, 1 << 20, clock=clock)
+    table = ReductionTable(5, 1 << 20, clock=clock, max_record_bytes=1 << 30)
     for i in range(1000):
         table.contribute(ChunkId("j", f"k{i}", 0, 0), part(3, HUGE), f"s{i}")
     clock.now = 2.0
@@ -333,9 +333,9 @@ def test_a_new_job_in_every_shard_leaves_a_bounded_record_measured_in_vmrss():
 
 
 def test_past_the_jobs_kept_the_idle_go_first_and_open_ones_stay(monkeypatch):
-    import reducerd.core.reduction as reduction
+    import reducerd.core.records as records
 
-    monkeypatch.setattr(reduction, "JOBS_KEPT", 4)
+    monkeypatch.setattr(records, "JOBS_KEPT", 4)
     table = ReductionTable(60.0, 1 << 30)
     one = np.ones(1, np.float16).tobytes()
 

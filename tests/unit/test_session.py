@@ -295,6 +295,9 @@ def test_a_status_fault_is_internal(caplog, monkeypatch):
         pass
 
     class Context:
+        def peer(self):
+            return "ipv4:127.0.0.1:1"
+
         async def abort(self, code, details):
             self.code, self.details = code, details
             raise Aborted
