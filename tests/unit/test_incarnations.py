@@ -254,17 +254,17 @@ def test_summing_threads_restart_too(pooled):
 
 
 def test_each_client_instance_puts_its_own_random_id_in_every_shard(monkeypatch):
-    import reducer_client.client as client_module
+    import reducer_client.sending as sending_module
     from reducer_client import ReducerClient
 
     seen = []
 
-    class Recording(client_module.ShardEncoder):
+    class Recording(sending_module.ShardEncoder):
         def __init__(self, **fields):
             seen.append(fields["incarnation"])
             super().__init__(**fields)
 
-    monkeypatch.setattr(client_module, "ShardEncoder", Recording)
+    monkeypatch.setattr(sending_module, "ShardEncoder", Recording)
     # Daemons that take the connection and never answer: the operation cannot
     # fail (a refused connection would) before all its chunks were encoded.
     silent = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(2)]
