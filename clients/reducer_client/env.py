@@ -157,10 +157,11 @@ def wire_numpy_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def client_loop_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """REDUCER_CLIENT_C_LOOP=0: keep every chunk on the Python path (the C loop,
-    fastpath.py, is used by default where it was built)."""
+    """REDUCER_CLIENT_C_LOOP=1: send plain-TCP keys through the C loop
+    (fastpath.py) where it was built. Off by default: its second connection per
+    daemon is not yet offered to gRPC when a daemon refuses it for capacity."""
     environ = os.environ if environ is None else environ
-    return environ.get("REDUCER_CLIENT_C_LOOP", "").strip().lower() not in _FALSE
+    return environ.get("REDUCER_CLIENT_C_LOOP", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:

@@ -22,6 +22,13 @@ from support import run_workers, start_daemon
 pytestmark = pytest.mark.skipif(not fastpath.available(), reason="the C loop was not built")
 
 OFF = {"REDUCER_CLIENT_C_LOOP": "0"}
+ON = {"REDUCER_CLIENT_C_LOOP": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _c_loop_on(monkeypatch):
+    """The C loop is opt-in (env.client_loop_from_env): on for these tests and their workers."""
+    monkeypatch.setenv("REDUCER_CLIENT_C_LOOP", "1")
 
 
 @pytest.mark.parametrize("wire, in_dtype", [("float16", "float32"), ("bfloat16", "float16"),
@@ -72,7 +79,7 @@ def test_an_inband_error_fails_the_key_as_on_the_python_path(tmp_path):
     d = start_daemon("--round-timeout", "3", log_dir=tmp_path)
     try:
         errors = {}
-        for name, environ in (("loop", {}), ("python", OFF)):
+        for name, environ in (("loop", ON), ("python", OFF)):
             pair = clients([d.address], f"err-{name}", environ=environ)
             try:
                 warm(pair)
@@ -102,7 +109,7 @@ def test_a_daemon_killed_mid_key_fails_as_on_the_python_path(tmp_path):
     daemons; one daemon is killed. The key fails within its timeout plus a
     margin with the Python path's error (code and wording), never hangs."""
     outcomes = {}
-    for name, environ in (("loop", {}), ("python", OFF)):
+    for name, environ in (("loop", ON), ("python", OFF)):
         ds = [start_daemon("--round-timeout", "30", log_dir=tmp_path)
               for i in range(2)]
         pair = clients([x.address for x in ds], f"die-{name}", environ=environ,
