@@ -248,7 +248,7 @@ def test_tiny_loopback_run_every_system(tmp_path: Path):
     """N = 1, 2 on loopback: the contract's fields, consistent figures, and one step of
     every system within its wire dtype's bound of the float64 reference."""
     out, plot = tmp_path / "train.json", tmp_path / "train.png"
-    systems = [*FOUR_SYSTEMS, "reducerd-optimizer-xbar"]
+    systems = [*FOUR_SYSTEMS, "reducerd-optimizer-xbar", "reducerd-backend"]
     done = _run_bench("--train", "tiny", "--workers", "1,2", "--systems", ",".join(systems),
                       "--steps", "3", "--warmup", "1", "--comm-steps", "2", "--byte-scale",
                       "1", "--json", str(out), "--plot", str(plot), "--stall-timeout", "60")

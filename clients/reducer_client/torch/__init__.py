@@ -11,6 +11,10 @@
     rt.rank(), rt.size(), rt.local_rank(), rt.local_size(), rt.shutdown()
     rt.set_error_feedback(False)                # on by default for the 8-bit wires
 
+Importing this package also registers the torch.distributed backend
+"reducer" (backend.py): dist.init_process_group("reducer") under torchrun,
+then DDP, dist.all_reduce, ... through the daemons, with no other change.
+
 Horovod's names, with Horovod's meaning (porting is an import change):
 Compression, Average / Sum (Adasum, Min, Max, Product refused), allreduce
 (differentiable; average=, compression=, prescale / postscale), allreduce_,
@@ -46,7 +50,10 @@ from reducer_client.horovod import (
     rocm_built,
 )
 from reducer_client.process import shim_basics
-from reducer_client.torch import elastic
+from reducer_client.torch import (
+    _distributed,  # noqa: F401 - registers the "reducer" backend
+    elastic,
+)
 from reducer_client.torch._basics import basics as _basics
 from reducer_client.torch._tensors import set_error_feedback
 from reducer_client.torch.broadcasts import (

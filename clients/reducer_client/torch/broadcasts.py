@@ -33,7 +33,7 @@ from reducer_client.torch.collectives import (
 )
 
 __all__ = ["allgather", "allgather_async", "allgather_object", "broadcast", "broadcast_",
-           "broadcast_async", "broadcast_async_", "barrier"]
+           "broadcast_async", "broadcast_async_", "barrier", "barrier_async"]
 
 
 def _host_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -170,9 +170,16 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                                         reducer=reducer))
 
 
+def barrier_async(process_set: Any = None, *, reducer: Reducer | None = None) -> int:
+    """Start a barrier; synchronize(handle) returns once every rank has called one."""
+    _check_set(process_set)
+    call = coll.Call(coll.CHECK, "barrier", "float32", (), 0)
+
+    def finish(rows: np.ndarray) -> None:
+        coll.check(rows, call)
+    return _handle(coll.control_async(resolve(reducer), call), finish)
+
+
 def barrier(process_set: Any = None, *, reducer: Reducer | None = None) -> None:
     """Return once every rank has called barrier()."""
-    _check_set(process_set)
-    reducer = resolve(reducer)
-    call = coll.Call(coll.CHECK, "barrier", "float32", (), 0)
-    coll.check(coll.control_async(reducer, call).result(), call)
+    synchronize(barrier_async(process_set, reducer=reducer))

@@ -36,7 +36,7 @@ from reducer_client.torch._tensors import numpy_view, to_numpy
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-           "grouped_allreduce_async_", "poll", "synchronize", "global_process_set"]
+           "grouped_allreduce_async_", "poll", "synchronize", "future_of", "global_process_set"]
 
 global_process_set = None  # Horovod's name for the one set there is
 
@@ -100,6 +100,17 @@ def poll(handle: int) -> bool:
     if entry is None:
         raise ValueError(f"unknown handle {handle!r} (already synchronized?)")
     return entry[0].done()
+
+
+def future_of(handle: int) -> Future:
+    """The core's future of `handle`'s operation: once it is done, synchronize
+    will not block (a callback on it may call synchronize; it runs on the
+    thread that settles the operation)."""
+    with _handles_lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        raise ValueError(f"unknown handle {handle!r} (already synchronized?)")
+    return entry[0]
 
 
 def synchronize(handle: int) -> Any:

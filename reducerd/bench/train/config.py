@@ -23,7 +23,8 @@ __all__ = ["TRAIN_SYSTEMS", "DEFAULT_SYSTEMS", "Accelerator", "TrainConfig", "la
            "layer_times", "scaled_numel", "DDP_BUCKET_BYTES"]
 
 # Every system the training bench knows, in run order.
-TRAIN_SYSTEMS = ("reducerd-ddp", "reducerd-optimizer", "reducerd-optimizer-xbar",
+TRAIN_SYSTEMS = ("reducerd-ddp", "reducerd-backend", "reducerd-optimizer",
+                 "reducerd-optimizer-xbar",
                  "reducerd-optimizer-priority", "reducerd-optimizer-xbar-priority",
                  "gloo-ddp-float32", "gloo-ddp-float16")
 DEFAULT_SYSTEMS = TRAIN_SYSTEMS

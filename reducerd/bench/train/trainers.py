@@ -2,6 +2,9 @@
 
     reducerd-ddp             DDP with rt.allreduce_hook (DDP's own process group
                              is Gloo, used only for DDP's start-up broadcast)
+    reducerd-backend         DDP with no hook over init_process_group("reducer")
+                             (reducer_client.torch.backend): buckets, start-up
+                             broadcast and all go through the daemons
     reducerd-optimizer       rt.DistributedOptimizer around SGD, no DDP
     reducerd-optimizer-xbar  the same with overlap_forward=model (crossing the barrier)
     reducerd-optimizer(-xbar)-priority  the same two with prioritize=True
@@ -104,12 +107,29 @@ def _reducer(spec: dict[str, Any]) -> TimedReducer:
         timeout=spec["stall_timeout_s"], link_gbit=spec.get("link_gbit")))
 
 
+def _reducer_group(spec: dict[str, Any]) -> TimedReducer:
+    """The "reducer" process group over a timed client (the process-wide one,
+    which the backend takes as it is: same rank and world size)."""
+    import reducer_client.torch as rt
+
+    reducer = _reducer(spec)
+    rt.init(reducer)
+    dist.init_process_group(
+        "reducer", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
+        world_size=spec["world_size"],
+        timeout=datetime.timedelta(seconds=spec["stall_timeout_s"]))
+    return reducer
+
+
 class DDPTrainer(Trainer):
     def __init__(self, model: ModeledModel, spec: dict[str, Any]) -> None:
         super().__init__(model, spec)
         from torch.nn.parallel import DistributedDataParallel
 
-        _gloo_group(spec)
+        if spec["system"] == "reducerd-backend":
+            self.reducer = _reducer_group(spec)
+        else:
+            _gloo_group(spec)
         # A bucket cap given explicitly also caps DDP's first bucket (torch 2.13).
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=spec["bucket_bytes"] / 2**20,
                                            device_ids=[0] if self.device == "cuda" else None)
@@ -136,6 +156,10 @@ class DDPTrainer(Trainer):
         # in 2 of 3 runs of the tiny bench, torch 2.13, between two systems).
         _RETIRED.append(self.ddp)
         super().close()
+        if self.spec["system"] == "reducerd-backend":
+            import reducer_client.torch as rt
+
+            rt.shutdown()  # the process-wide client is this system's
 
 
 class OptimizerTrainer(Trainer):
@@ -162,7 +186,7 @@ class OptimizerTrainer(Trainer):
 
 def make_trainer(model: ModeledModel, spec: dict[str, Any]) -> Trainer:
     system = spec["system"]
-    if system in ("reducerd-ddp", "gloo-ddp-float32", "gloo-ddp-float16"):
+    if system in ("reducerd-ddp", "reducerd-backend", "gloo-ddp-float32", "gloo-ddp-float16"):
         return DDPTrainer(model, spec)
     if system.startswith("reducerd-optimizer"):
         return OptimizerTrainer(model, spec)
