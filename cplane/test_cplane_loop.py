@@ -143,7 +143,6 @@ def test_a_frame_without_room_is_refused_after_the_wait(rig):
 
 def test_a_client_that_reads_no_replies_is_read_no_further(rig):
     r = rig(unsent_frames=4, send_timeout_s=30)
-    r.client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     reply = frame(SHARD, b"r" * (4 << 20))
     for _ in range(8):  # more than the socket buffers hold: 4 or more wait unsent
         r.loop.send(7, r.fd, reply, 0, None, 0)
