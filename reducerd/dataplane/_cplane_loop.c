@@ -243,7 +243,7 @@ static int Loop_init(Loop *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "a Loop is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LddddLLL", names, &BudgetType, &budget,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!LddddLLL", names, budget_c->type, &budget,
                                      &max_message, &self->frame_timeout_s,
                                      &self->send_timeout_s, &self->linger_s,
                                      &self->reserve_wait_s, &slots, &unsent_frames,
@@ -383,7 +383,7 @@ static void release_replies(Loop *self, reply_t *r) {
         if (r->counted) {
             job_ref job = {NULL, 0};
             if (r->job != NULL) job.name = PyUnicode_AsUTF8AndSize(r->job, &job.len);
-            budget_give_transport(self->budget, r->counted, job);
+            budget_c->give_transport(self->budget, r->counted, job);
         }
         PyBuffer_Release(&r->view);
         Py_XDECREF(r->job);
@@ -472,7 +472,7 @@ static PyObject *Loop_take(Loop *self, PyObject *unused) {
             /* not handed over (an error above): give back what it held */
             event_t *e = ev;
             job_ref job = {e->with_job ? e->job : NULL, e->job_len};
-            budget_give_transport(self->budget, e->length, job);
+            budget_c->give_transport(self->budget, e->length, job);
             __atomic_sub_fetch(&self->slots_taken, 1, __ATOMIC_SEQ_CST);
             if (e->conn != NULL) {
                 __atomic_sub_fetch(&e->conn->promised_bytes, e->length, __ATOMIC_SEQ_CST);
@@ -515,7 +515,7 @@ static PyObject *Loop_stop(Loop *self, PyObject *unused) {
         free(c->payload);
         if (c->reserved) {
             job_ref job = {c->with_job ? c->job : NULL, c->job_len};
-            budget_give_transport(self->budget, c->length, job);
+            budget_c->give_transport(self->budget, c->length, job);
         }
         if (c->slot) __atomic_sub_fetch(&self->slots_taken, 1, __ATOMIC_SEQ_CST);
         c->payload = NULL;
@@ -615,7 +615,7 @@ static void Payload_dealloc(Payload *self) {
     Loop *l = self->loop;
     free(self->buf);
     job_ref job = {self->with_job ? self->job : NULL, self->job_len};
-    budget_give_transport(l->budget, self->len, job);
+    budget_c->give_transport(l->budget, self->len, job);
     free(self->job);
     __atomic_sub_fetch(&l->slots_taken, 1, __ATOMIC_SEQ_CST);
     if (self->conn != NULL) {

@@ -1,4 +1,4 @@
-"""The C data loop on real loopback sockets: frames in, replies out, its ends."""
+"""The C data loop (reducerd.dataplane._cplane) on real loopback sockets: frames in, replies out, its ends."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import pytest
 
 _cplane = pytest.importorskip("reducerd.dataplane._cplane")
+_budget = pytest.importorskip("reducerd.core._budget")
 
 SHARD, HELLO, STATUS = 2, 1, 3
 
@@ -23,7 +24,7 @@ class Rig:
     def __init__(self, limit=64 << 20, max_message=1 << 20, frame_timeout_s=5.0,
                  send_timeout_s=5.0, linger_s=0.5, reserve_wait_s=0.3, slots=16,
                  unsent_frames=64, unsent_bytes=16 << 20):
-        self.budget = _cplane.Budget(limit)
+        self.budget = _budget.Budget(limit)
         self.loop = _cplane.Loop(self.budget, max_message, frame_timeout_s, send_timeout_s,
                                  linger_s, reserve_wait_s, slots, unsent_frames, unsent_bytes)
         self.loop.start()

@@ -1,4 +1,4 @@
-/* MemoryBudget's counters in C (reducerd.limits.MemoryBudget is a thin
+/* reducerd.core._budget: MemoryBudget's counters in C (reducerd.core.limits.MemoryBudget is a thin
  * subclass that adds the messages): the same methods, the same semantics,
  * and a C API (_cplane.h) for threads that hold no GIL.
  *
@@ -12,7 +12,7 @@
  *
  * Waits (reserve, wait_job_room) release the GIL and sleep on `room`, which
  * every give-back broadcasts while someone waits. */
-#include "_cplane.h"
+#include "_budget.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -110,7 +110,7 @@ static void wake_waiters(Budget *b) {
 
 /* ---- the C API ---- */
 
-int budget_try_reserve(Budget *b, int64_t nbytes, job_ref job) {
+static int budget_try_reserve(Budget *b, int64_t nbytes, job_ref job) {
     pthread_mutex_lock(&b->lock);
     int fits = reserve_fits(b, nbytes, job);
     if (fits) add(b, nbytes, job);
@@ -118,7 +118,7 @@ int budget_try_reserve(Budget *b, int64_t nbytes, job_ref job) {
     return fits;
 }
 
-void budget_give_transport(Budget *b, int64_t nbytes, job_ref job) {
+static void budget_give_transport(Budget *b, int64_t nbytes, job_ref job) {
     if (!nbytes) return;
     pthread_mutex_lock(&b->lock);
     add(b, -nbytes, job);
@@ -126,20 +126,20 @@ void budget_give_transport(Budget *b, int64_t nbytes, job_ref job) {
     pthread_mutex_unlock(&b->lock);
 }
 
-void budget_take_transport(Budget *b, int64_t nbytes, job_ref job) {
+static void budget_take_transport(Budget *b, int64_t nbytes, job_ref job) {
     pthread_mutex_lock(&b->lock);
     add(b, nbytes, job);
     pthread_mutex_unlock(&b->lock);
 }
 
-int budget_job_has_room(Budget *b, job_ref job) {
+static int budget_job_has_room(Budget *b, job_ref job) {
     pthread_mutex_lock(&b->lock);
     int room = has_room(b, job);
     pthread_mutex_unlock(&b->lock);
     return room;
 }
 
-void budget_note_pressure(Budget *b) {
+static void budget_note_pressure(Budget *b) {
     pthread_mutex_lock(&b->lock);
     b->pressure++;
     pthread_mutex_unlock(&b->lock);
@@ -470,11 +470,25 @@ static PyObject *Budget_get_fixed(Budget *self, void *which) {
     return PyLong_FromLongLong(value);
 }
 
+/* job_share_bytes may be set (tests shrink it); the others are fixed. */
+static int Budget_set_job_share(Budget *self, PyObject *value, void *c) {
+    (void)c;
+    long long n = value != NULL ? PyLong_AsLongLong(value) : -1;
+    if (value == NULL || (n == -1 && PyErr_Occurred()) || check_ready(self) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "cannot delete it");
+        return -1;
+    }
+    pthread_mutex_lock(&self->lock);
+    self->job_share_bytes = n;
+    pthread_mutex_unlock(&self->lock);
+    return 0;
+}
+
 static PyGetSetDef Budget_getset[] = {
     {"limit_bytes", (getter)Budget_get_fixed, NULL, "--max-inflight-bytes", (void *)0},
     {"transport_reserve_bytes", (getter)Budget_get_fixed, NULL,
      "bytes accumulators leave to the transports", (void *)1},
-    {"job_share_bytes", (getter)Budget_get_fixed, NULL,
+    {"job_share_bytes", (getter)Budget_get_fixed, (setter)Budget_set_job_share,
      "the transport bytes one job may hold", (void *)2},
     {"accumulator_bytes", (getter)Budget_get_accumulators, NULL, NULL, NULL},
     {"transport_bytes", (getter)Budget_get_transport, NULL, NULL, NULL},
@@ -502,9 +516,9 @@ static PyMethodDef Budget_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyTypeObject BudgetType = {
+static PyTypeObject BudgetType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "reducerd.dataplane._cplane.Budget",
+    .tp_name = "reducerd.core._budget.Budget",
     .tp_basicsize = sizeof(Budget),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "MemoryBudget's counters (reducerd.limits.MemoryBudget).",
@@ -514,3 +528,31 @@ PyTypeObject BudgetType = {
     .tp_methods = Budget_methods,
     .tp_getset = Budget_getset,
 };
+
+/* ---- the module ---- */
+
+static const budget_api api = {
+    BUDGET_API_VERSION, &BudgetType, budget_try_reserve, budget_give_transport,
+    budget_take_transport, budget_job_has_room, budget_note_pressure,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_budget", "MemoryBudget's counters in C.", -1, NULL, NULL, NULL,
+    NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__budget(void) {
+    if (PyType_Ready(&BudgetType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *capsule = PyCapsule_New((void *)&api, "reducerd.core._budget._C_API", NULL);
+    Py_INCREF(&BudgetType);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0 ||
+        PyModule_AddObject(m, "Budget", (PyObject *)&BudgetType) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(&BudgetType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

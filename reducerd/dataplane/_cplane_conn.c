@@ -73,7 +73,7 @@ static void give_back(Loop *l, conn_t *c) {
     free(c->payload);
     c->payload = NULL;
     if (c->reserved) {
-        budget_give_transport(l->budget, c->length, frame_job(c));
+        budget_c->give_transport(l->budget, c->length, frame_job(c));
         c->reserved = 0;
     }
     if (c->slot) {
@@ -167,7 +167,7 @@ static int on_header(Loop *l, conn_t *c) {
 static void note_pressure(Loop *l, conn_t *c) {
     if (!c->pressure_noted) {
         c->pressure_noted = 1;
-        budget_note_pressure(l->budget);
+        budget_c->note_pressure(l->budget);
     }
 }
 
@@ -179,12 +179,12 @@ static int admit(Loop *l, conn_t *c) {
         c->state = c->length ? ST_SKIP : ST_HEADER;
         return 1;
     }
-    if (!budget_job_has_room(l->budget, frame_job(c))) {
+    if (!budget_c->job_has_room(l->budget, frame_job(c))) {
         note_pressure(l, c);
         return 0;
     }
     if (!c->reserved) {
-        if (!budget_try_reserve(l->budget, c->length, frame_job(c))) {
+        if (!budget_c->try_reserve(l->budget, c->length, frame_job(c))) {
             note_pressure(l, c);
             double now = loop_now();
             if (c->reserve_deadline == 0) c->reserve_deadline = now + l->reserve_wait_s;

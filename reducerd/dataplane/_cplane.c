@@ -1,26 +1,29 @@
 /* reducerd.dataplane._cplane: the daemon's data plane in C.
  *
- * Budget (_cplane_budget.c): MemoryBudget's counters, shared by Python and
- * the C threads. Loop (_cplane_loop.c, _cplane_conn.c): the thread that reads
+ * Loop (_cplane_loop.c, _cplane_conn.c): the thread that reads
  * plain-TCP connections' frames and sends their replies. */
 #include "_cplane.h"
+
+const budget_api *budget_c;
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_cplane", "The daemon's data plane in C.", -1, NULL, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__cplane(void) {
-    if (PyType_Ready(&BudgetType) < 0 || PyType_Ready(&LoopType) < 0 ||
-        PyType_Ready(&PayloadType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) return NULL;
-    Py_INCREF(&BudgetType);
-    if (PyModule_AddObject(m, "Budget", (PyObject *)&BudgetType) < 0) {
-        Py_DECREF(&BudgetType);
-        Py_DECREF(m);
+    PyObject *budget_module = PyImport_ImportModule("reducerd.core._budget");
+    if (budget_module == NULL) return NULL;
+    Py_DECREF(budget_module);  /* kept alive by sys.modules */
+    budget_c = PyCapsule_Import("reducerd.core._budget._C_API", 0);
+    if (budget_c == NULL) return NULL;
+    if (budget_c->version != BUDGET_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "reducerd.core._budget has version %d, the data "
+                     "loop needs %d", budget_c->version, BUDGET_API_VERSION);
         return NULL;
     }
+    if (PyType_Ready(&LoopType) < 0 || PyType_Ready(&PayloadType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
     Py_INCREF(&LoopType);
     if (PyModule_AddObject(m, "Loop", (PyObject *)&LoopType) < 0) {
         Py_DECREF(&LoopType);

@@ -1,8 +1,8 @@
-/* The C data plane's shared declarations (reducerd.dataplane._cplane).
+/* The C data loop's shared declarations (reducerd.dataplane._cplane).
  *
- * _cplane.c: the module. _cplane_budget.c: MemoryBudget's counters (the
- * daemon's one count against --max-inflight-bytes), with a C API so that
- * threads without the GIL can reserve and give back. */
+ * _cplane.c: the module. _cplane_loop.c: the loop thread and the Python
+ * types; _cplane_conn.c: one connection's frames and replies. The memory
+ * budget is reducerd.core._budget's, through its C API. */
 #ifndef REDUCERD_CPLANE_H
 #define REDUCERD_CPLANE_H
 
@@ -13,47 +13,10 @@
 #include <pthread.h>
 #include <stdint.h>
 
-/* One job's transport bytes: a chained hash entry, freed when they reach 0. */
-typedef struct job_entry {
-    struct job_entry *next;
-    uint64_t hash;
-    int64_t bytes;
-    Py_ssize_t len;
-    char name[];   /* UTF-8, len bytes (not NUL-terminated for the compare) */
-} job_entry;
+#include "../core/_budget.h"
 
-/* A job as the C API names it: UTF-8 bytes, or name == NULL for none. */
-typedef struct {
-    const char *name;
-    Py_ssize_t len;
-} job_ref;
-
-typedef struct {
-    PyObject_HEAD
-    int64_t limit_bytes, transport_reserve_bytes, job_share_bytes;
-    /* lock guards every field below; taken by the event loop thread, the
-     * summing threads, the data plane's Python threads and the C loop
-     * thread, never while the GIL is being waited for (a holder of lock
-     * takes no GIL), so the two cannot deadlock. `room` is signalled
-     * (broadcast) whenever bytes are given back while `waiting` > 0. */
-    pthread_mutex_t lock;
-    pthread_cond_t room;
-    int waiting;
-    int64_t accumulators, transport, pressure;
-    job_entry **jobs;       /* buckets */
-    size_t job_buckets, job_count;
-} Budget;
-
-extern PyTypeObject BudgetType;
-
-/* The C API (any thread, GIL or not): MemoryBudget's methods of the same
- * names. try_reserve: nonzero when taken. */
-int budget_try_reserve(Budget *b, int64_t nbytes, job_ref job);
-void budget_give_transport(Budget *b, int64_t nbytes, job_ref job);
-void budget_take_transport(Budget *b, int64_t nbytes, job_ref job);
-int budget_job_has_room(Budget *b, job_ref job);
-void budget_note_pressure(Budget *b);
-
+/* The budget's C API (reducerd/core/_budget.h), imported at module init. */
+extern const budget_api *budget_c;
 
 /* ---- the data loop (_cplane_loop.c: the thread, the Python type;
  * _cplane_conn.c: one connection's frames and replies) ---- */
