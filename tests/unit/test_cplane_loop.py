@@ -1,4 +1,4 @@
-"""The C data loop (reducerd.dataplane._cplane) on real loopback sockets: frames in, replies out, its ends."""
+"""The C data loop (reducerd.dataplane._cplane) on loopback: frames in, replies out, ends."""
 
 from __future__ import annotations
 
