@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.core.limits import MemoryBudget
 from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.ops.memory import IDLE_CALLS, HeapTrimmer
 
