@@ -7,7 +7,7 @@ VENV := .venv
 VENV_MX := .venv-mxnet
 STAMP := $(VENV)/.installed
 STAMP_MX := $(VENV_MX)/.installed
-# The C conversions, 8-bit formats and the daemon's summing pool (setup.py): rebuilt in place
+# The C conversions, 8-bit formats, the daemon's summing pool, budget and data loop (setup.py): rebuilt in place
 # when their source changes.
 FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_quant.c \
 	protos/python/reducer_wire/_quant_int8.c protos/python/reducer_wire/_quant_fp8.c \
@@ -15,7 +15,10 @@ FASTWIRE := protos/python/reducer_wire/_kernels.c protos/python/reducer_wire/_qu
 	protos/python/reducer_wire/_fpmode.h \
 	protos/python/reducer_wire/_codec.c protos/python/reducer_wire/_api.h \
 	reducerd/core/_sumpool.c reducerd/core/_sumpool_threads.c reducerd/core/_sumpool_tasks.c \
-	reducerd/core/_sumpool.h clients/reducer_client/transport/_tcploop.c
+	reducerd/core/_sumpool.h clients/reducer_client/transport/_tcploop.c \
+	reducerd/core/_budget.c reducerd/core/_budget.h \
+	reducerd/dataplane/_cplane.c reducerd/dataplane/_cplane_loop.c \
+	reducerd/dataplane/_cplane_conn.c reducerd/dataplane/_cplane.h
 BUILT := $(VENV)/.fastwire
 BUILT_MX := $(VENV_MX)/.fastwire
 PYTEST_ARGS ?=
@@ -104,4 +107,4 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VENV_MX) .pytest_cache build site protos/python/reducer_wire/_kernels*.so \
 		protos/python/reducer_wire/_quant*.so protos/python/reducer_wire/_codec*.so \
-		reducerd/core/_sumpool*.so
+		reducerd/core/_sumpool*.so reducerd/core/_budget*.so reducerd/dataplane/_cplane*.so

@@ -24,3 +24,15 @@ def daemons(tmp_path):
     def start(count=2, *args, round_timeout=None):
         return running_daemons(count, *args, log_dir=tmp_path, round_timeout=round_timeout)
     return start
+
+
+def _budget_classes() -> list:
+    from reducerd.core.limits import MemoryBudget, PyMemoryBudget
+
+    return [PyMemoryBudget] + ([MemoryBudget] if MemoryBudget is not PyMemoryBudget else [])
+
+
+@pytest.fixture(params=_budget_classes(), ids=lambda cls: cls.__name__)
+def budget_class(request):
+    """Each MemoryBudget: the Python one, and the C one where it was built."""
+    return request.param

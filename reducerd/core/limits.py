@@ -30,7 +30,7 @@ __all__ = ["MAX_OPEN_CHUNKS_PER_JOB", "MISSING_LISTED_AT_MOST", "WORLD_SIZES_KEP
            "describe_missing", "job_refusal", "job_inflight_limit", "JOB_ACCUMULATOR_SHARE",
            "JOB_CACHE_SHARE", "JOB_STREAM_SHARE", "JOBS_KEPT", "idle_jobs_to_forget",
            "FAILURE_BYTES_KEPT",
-           "StreamCount", "MemoryBudget", "Credit"]
+           "StreamCount", "MemoryBudget", "PyMemoryBudget", "Credit"]
 
 # Open chunks one job may hold (the default of --max-open-chunks-per-job).
 MAX_OPEN_CHUNKS_PER_JOB = 65536
@@ -155,8 +155,12 @@ class StreamCount:
                 self._jobs[job] = held
 
 
-class MemoryBudget:
+class PyMemoryBudget:
     """Bytes held against one limit (--max-inflight-bytes); thread-safe.
+
+    (MemoryBudget is this class's counters in C where reducerd.core._budget
+    was built, with the same methods and semantics and a C API for the C data
+    loop; this one is the fallback and the Python data plane's.)
 
     accumulators: the table's float32 accumulators (taken on the loop thread
     when a chunk opens, refused beyond the limit). transport: receive buffers
@@ -329,6 +333,25 @@ class MemoryBudget:
                 self._jobs[job] = held
             else:
                 self._jobs.pop(job, None)
+
+
+try:
+    from reducerd.core._budget import Budget as _CBudget
+except ImportError:  # built without a C compiler
+    _CBudget = None
+
+
+if _CBudget is not None:
+    class MemoryBudget(_CBudget):  # type: ignore[misc,valid-type]
+        """PyMemoryBudget's counters in C (reducerd/core/_budget.c): the same
+        methods and semantics, and a C API through which the C data loop
+        reserves and gives back without the GIL. The messages are Python's."""
+
+        job_share_refusal = PyMemoryBudget.job_share_refusal
+        describe_job_share = PyMemoryBudget.describe_job_share
+        no_room = PyMemoryBudget.no_room
+else:
+    MemoryBudget = PyMemoryBudget  # type: ignore[misc,assignment]
 
 
 class Credit:

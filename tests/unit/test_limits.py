@@ -112,8 +112,8 @@ def test_check_shard_refuses_a_world_size_over_the_limit():
     assert "above the daemon's limit of 8" in check_shard(view(9), max_world_size=8)
 
 
-def test_budget_leaves_its_reserve_to_the_transports():
-    budget = MemoryBudget(1000, transport_reserve_bytes=200)
+def test_budget_leaves_its_reserve_to_the_transports(budget_class):
+    budget = budget_class(1000, transport_reserve_bytes=200)
     assert budget.take_accumulator(800)
     assert not budget.take_accumulator(1)  # the last 200 bytes are the transports'
     assert budget.reserve(200, timeout_s=0)
@@ -126,8 +126,8 @@ def test_budget_leaves_its_reserve_to_the_transports():
     assert not budget.reserve(2000, timeout_s=10)  # larger than the limit: at once
 
 
-def test_a_waiting_reservation_is_woken_when_bytes_come_back():
-    budget = MemoryBudget(1000)
+def test_a_waiting_reservation_is_woken_when_bytes_come_back(budget_class):
+    budget = budget_class(1000)
     assert budget.take_accumulator(900)
     threading.Timer(0.1, budget.give_accumulator, args=(900,)).start()
     start = time.monotonic()
@@ -136,8 +136,8 @@ def test_a_waiting_reservation_is_woken_when_bytes_come_back():
     assert budget.transport_bytes == 500
 
 
-def test_one_jobs_transport_bytes_stop_at_its_share_and_leave_the_rest():
-    budget = MemoryBudget(1000)
+def test_one_jobs_transport_bytes_stop_at_its_share_and_leave_the_rest(budget_class):
+    budget = budget_class(1000)
     assert budget.job_share_bytes == 500  # half of the limit
     assert budget.reserve(300, timeout_s=0, job="greedy")
     budget.take_transport(200, job="greedy")  # an unread reply: at its share now

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
-from reducerd.core.limits import MemoryBudget
 from reducerd.core.reduction import ChunkId, Contribution, ReductionTable
 from reducerd.ops.memory import IDLE_CALLS, HeapTrimmer
 
@@ -33,8 +32,8 @@ def test_trimming_is_due_at_a_limit_and_once_when_idle_never_in_steady_traffic()
     assert [trimmer.due(0, 3) for _ in range(IDLE_CALLS)][-1]
 
 
-def test_the_budget_counts_every_wait_and_refusal_as_pressure():
-    budget = MemoryBudget(1000, transport_reserve_bytes=100)
+def test_the_budget_counts_every_wait_and_refusal_as_pressure(budget_class):
+    budget = budget_class(1000, transport_reserve_bytes=100)
     assert budget.take_accumulator(900) and budget.pressure == 0
     assert not budget.take_accumulator(1) and budget.pressure == 1
     assert not budget.reserve(200, timeout_s=0) and budget.pressure == 2
