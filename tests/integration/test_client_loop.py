@@ -146,9 +146,12 @@ def test_a_daemon_killed_mid_key_fails_as_on_the_python_path(tmp_path):
     assert loop_s < 3 + 2.0 and py_s < 3 + 2.0
     assert loop_error.code == py_error.code
     assert loop_error.retryable == py_error.retryable
-    normal = [str(e).replace(a, "ADDR").split("ADDR")[0].replace(j, "JOB") for e, a, j in
-              ((loop_error, loop_addr, "die-loop"), (py_error, py_addr, "die-python"))]
-    assert normal[0] == normal[1], (str(loop_error), str(py_error))
+    # Both name the dead daemon. The wording is the link's own ("daemon A:
+    # status: ...") where its resend failed before the key's timeout, else the
+    # timeout's ("cannot reach daemon(s) A ..."): which comes first is timing,
+    # on either path (seen under load on the loop's).
+    assert loop_addr in str(loop_error) and py_addr in str(py_error), \
+        (str(loop_error), str(py_error))
 
 
 def test_the_switches_keep_the_python_path(tmp_path, monkeypatch):
