@@ -36,6 +36,7 @@ from reducer_client.env import (
     wire_numpy_from_env,
 )
 from reducer_client.errors import ReducerError, cause_behind
+from reducer_client.integers import INTEGER_INPUTS, integer_wire_for
 from reducer_client.node.group import NodeGroup
 from reducer_client.node.topology import node_topology
 from reducer_client.ops import InFlight, Operation
@@ -232,12 +233,14 @@ class ReducerClient:
         (Shard.priority). Only the order changes; every rank should give the
         same. Not carried through node-local aggregation.
         """
+        array = np.asarray(array)
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
         if wire not in dtypes.WIRE_DTYPES:
             raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
         if not (isinstance(priority, int) and 0 <= priority < 1 << 32):
             raise ValueError(f"priority must be an integer in [0, 2**32), got {priority!r}")
-        return self._start(array, key, dtypes.WIRE_DTYPES[wire],
+        dtype = integer_wire_for(array, op, key)
+        return self._start(array, key, dtypes.WIRE_DTYPES[wire] if dtype is None else dtype,
                            dtypes.op_value(op), root_rank=None, out=out, priority=priority)
 
     def broadcast(self, array: np.ndarray, key: str, root_rank: int = 0) -> np.ndarray:
@@ -285,9 +288,14 @@ class ReducerClient:
             raise ValueError(f"key must be a non-empty string of at most {MAX_NAME_CHARS} "
                              f"characters, got {key!r:.80}")
         array = np.asarray(array)
-        if array.dtype not in _INPUT_DTYPES:
+        if array.dtype not in _INPUT_DTYPES and dtypes.integer_wire(array.dtype) != dtype:
             raise TypeError(f"key {key!r}: dtype {array.dtype} is not supported; "
-                            "use float16, float32 or float64")
+                            "use float16, float32 or float64 (allreduce also takes "
+                            f"{', '.join(INTEGER_INPUTS)})")
+        if self._node is not None and dtype in dtypes.INTEGER_WIRES:
+            raise TypeError(f"key {key!r}: integer allreduce ({array.dtype}) is not "
+                            "supported with node-local aggregation (its node sums are "
+                            "float32); set REDUCER_NODE_LOCAL=0 to reduce integers exactly")
         if out is not None and not (
                 isinstance(out, np.ndarray) and out.shape == array.shape
                 and out.dtype == array.dtype and out.flags.c_contiguous

@@ -40,10 +40,12 @@ from reducer_wire import dtypes
 from reducer_client.api import Reducer
 from reducer_client.compression import allreduce_async_on_wire
 from reducer_client.errors import ReducerError
+from reducer_client.integers import INTEGER_INPUTS, horovod_scale, is_integer
 
 __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW", "control_async",
            "own_rows", "allreduce_async", "broadcast_async", "allgather_async", "check", "join",
-           "active_count", "call_shape", "register_shadow", "drop_shadow", "FLOAT_DTYPES"]
+           "active_count", "call_shape", "register_shadow", "drop_shadow", "FLOAT_DTYPES",
+           "REDUCIBLE_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
 ALLREDUCE, BROADCAST, ALLGATHER, STEP, CHECK = 1, 2, 3, 4, 5
@@ -53,6 +55,8 @@ _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "bool", "int8", "ui
                 "int16", "uint16", "int32", "uint32", "int64", "uint64", "complex64",
                 "complex128")
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+# What allreduce sums: floats on the client's wire, integers exactly (reducer_client.integers).
+REDUCIBLE_DTYPES = FLOAT_DTYPES | frozenset(INTEGER_INPUTS)
 _WIRES = tuple(dtypes.WIRE_DTYPES)
 _OPS = ("sum", "mean")
 _MAX_DIMS = 8
@@ -159,11 +163,11 @@ def check(rows: np.ndarray, call: Call) -> int:
                               for v, rs in by_value.items())
             raise ReducerError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{call.describe()}: ranks disagree on {field} ({parts})")
-    bad = sorted({_dtype_of(rows[r]) for r in active} - FLOAT_DTYPES)
+    bad = sorted({_dtype_of(rows[r]) for r in active} - REDUCIBLE_DTYPES)
     if call.kind == ALLREDUCE and bad:
         raise TypeError(f"{call.describe()}: dtype {', '.join(bad)} cannot be reduced: "
-                        "allreduce carries floating point values only (floating-point "
-                        "dtypes; broadcast and allgather carry any dtype)")
+                        f"allreduce carries {', '.join(sorted(REDUCIBLE_DTYPES))} "
+                        "(broadcast and allgather carry any dtype)")
     return len(active)
 
 
@@ -283,23 +287,39 @@ def _chain(control: Future, call: Call, then: Callable[[np.ndarray, int], Future
 
 
 def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
-                    out: np.ndarray | None = None) -> Future[np.ndarray]:
-    """Checked allreduce of float `values` (None: a dtype the wire cannot carry).
+                    out: np.ndarray | None = None, postscale: float = 1.0,
+                    ) -> Future[np.ndarray]:
+    """Checked allreduce of float or integer `values` (None: a dtype the wire
+    cannot carry).
 
     A rank with values=None still sends zeros, so the rounds stay paired and
-    every rank gets the same error from the control round.
+    every rank gets the same error from the control round. Integer values are
+    summed exactly and "mean" and `postscale` become one scaling of the sum
+    by postscale / (ranks that contributed), in float64 truncated toward
+    zero, as Horovod scales integers; for floats the result is multiplied by
+    `postscale` after the daemons' mean.
     """
     send = values if values is not None else np.zeros(call.data_numel, np.float32)
+    integer = values is not None and is_integer(values.dtype)
     with _session(reducer).calls:
         control = control_async(reducer, call)
-        data = allreduce_async_on_wire(reducer, send, DATA_KEY, call.op or "sum", call.wire,
+        data = allreduce_async_on_wire(reducer, send, DATA_KEY,
+                                       "sum" if integer else call.op or "sum",
+                                       None if integer else call.wire,
                                        out if values is not None else None)
     world = reducer.world_size
 
     def finish(result: object, rows: np.ndarray, active: int) -> np.ndarray:
         assert isinstance(result, np.ndarray)
+        if integer:
+            factor = postscale / active if call.op == "mean" and active else postscale
+            if factor != 1.0:
+                np.copyto(result, horovod_scale(result, factor))
+            return result
         if call.op == "mean" and 0 < active < world:
             np.multiply(result, world / active, out=result, casting="unsafe")
+        if postscale != 1.0:
+            np.multiply(result, postscale, out=result, casting="unsafe")
         return result
     return _chain(control, call, lambda rows, active: data, finish)
 

@@ -22,6 +22,7 @@ import numpy as np
 from reducer_wire import convert, dtypes
 
 from reducer_client.errors import ReducerError
+from reducer_client.integers import INTEGER_INPUTS, integer_wire_for
 
 __all__ = ["LocalGroup", "LocalClient"]
 
@@ -97,8 +98,10 @@ class LocalGroup:
             _settle(waiting, target)
 
     def _reduce(self, slot: _Slot) -> np.ndarray:
-        """The daemon's reduction: float32 sum (mean: / world_size), rounded to the wire."""
-        total = np.empty(slot.numel, dtype=np.float32)
+        """The daemon's reduction: float32 sum (mean: / world_size), rounded to the
+        wire; an integer wire's sum exact in int64, wrapped to its width."""
+        integer = slot.wire in dtypes.INTEGER_WIRES
+        total = np.empty(slot.numel, dtype=np.int64 if integer else np.float32)
         widened = np.empty_like(total)
         for index, rank in enumerate(sorted(slot.parts)):
             # The first contribution is copied, not added to zeros: keeps -0.0.
@@ -152,9 +155,10 @@ class LocalClient:
         if not isinstance(key, str) or not key:
             raise ValueError("key must be a non-empty string")
         array = np.asarray(array)
-        if array.dtype not in _INPUT_DTYPES:
+        if array.dtype not in _INPUT_DTYPES and dtypes.integer_wire(array.dtype) != wire:
             raise TypeError(f"key {key!r}: dtype {array.dtype} is not supported; "
-                            "use float16, float32 or float64")
+                            "use float16, float32 or float64 (allreduce also takes "
+                            f"{', '.join(INTEGER_INPUTS)})")
         _check_out(out, array, key)
         # Converted now, as ReducerClient does: the caller may reuse `array`
         # (and `out` may be `array`).
@@ -183,7 +187,10 @@ class LocalClient:
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
         if wire not in dtypes.WIRE_DTYPES:
             raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
-        return self._start(array, key, dtypes.WIRE_DTYPES[wire], op, out)
+        array = np.asarray(array)
+        integer = integer_wire_for(array, op, key)
+        return self._start(array, key, dtypes.WIRE_DTYPES[wire] if integer is None else integer,
+                           op, out)
 
     def allreduce(self, array: np.ndarray, key: str, op: str = "sum", *,
                   out: np.ndarray | None = None, wire_dtype: str | None = None,

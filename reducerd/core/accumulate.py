@@ -1,9 +1,12 @@
-"""Summing contributions into a chunk's float32 accumulator.
+"""Summing contributions into a chunk's accumulator.
 
-Numerics: the accumulator is float32 whatever the wire dtype; float16,
+Numerics: the accumulator is float32 for every floating-point wire; float16,
 bfloat16 and the 8-bit wires (reducer_wire.quant) widen exactly, so the only
 rounding is float32 addition's (and the one narrowing of the result,
-reducer_wire.convert.to_wire).
+reducer_wire.convert.to_wire). The integer wires (reducer_wire.dtypes) sum
+exactly into an int64 accumulator; narrowing the sum to the wire's width
+wraps around, as the dtype's own addition does (and int64 itself wraps as
+NumPy's int64 addition does).
 """
 
 from __future__ import annotations
@@ -12,9 +15,25 @@ import numpy as np
 from reducer_wire import convert, quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.convert import from_wire
-from reducer_wire.dtypes import QUANTIZED_DTYPES, wire_numpy_dtype
+from reducer_wire.dtypes import INTEGER_WIRES, QUANTIZED_DTYPES, wire_numpy_dtype
 
-__all__ = ["copy_wire_into", "add_wire_into", "WideningBuffer"]
+__all__ = ["copy_wire_into", "add_wire_into", "WideningBuffer", "new_accumulator",
+           "accumulator_nbytes"]
+
+
+def accumulator_dtype(dtype: int) -> np.dtype:
+    """int64 for the integer wires, float32 for every other."""
+    return np.dtype(np.int64) if dtype in INTEGER_WIRES else np.dtype(np.float32)
+
+
+def accumulator_nbytes(dtype: int, numel: int) -> int:
+    """Bytes of a chunk's accumulator of `numel` elements of wire `dtype`."""
+    return numel * accumulator_dtype(dtype).itemsize
+
+
+def new_accumulator(dtype: int, numel: int) -> np.ndarray:
+    """An uninitialised accumulator for a chunk of wire `dtype` (copy_wire_into sets it)."""
+    return np.empty(numel, dtype=accumulator_dtype(dtype))
 
 
 class WideningBuffer:
@@ -25,8 +44,9 @@ class WideningBuffer:
         self._buffer = np.empty(0, dtype=np.float32)
 
     def for_part(self, dtype: int, numel: int) -> np.ndarray | None:
-        """A buffer of at least `numel` float32 elements, or None for float32 data."""
-        if dtype == pb.DTYPE_FLOAT32:
+        """A buffer of at least `numel` float32 elements, or None for float32
+        and integer data (added straight from the wire buffer)."""
+        if dtype == pb.DTYPE_FLOAT32 or dtype in INTEGER_WIRES:
             return None
         if self._buffer.size < numel:
             self._buffer = np.empty(numel, dtype=np.float32)
@@ -34,14 +54,15 @@ class WideningBuffer:
 
 
 def copy_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int) -> None:
-    """Set the float32 accumulator to one contribution (the first of a chunk)."""
+    """Set the accumulator to one contribution (the first of a chunk)."""
     from_wire(data, dtype, acc)
 
 
 def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
                   scratch: np.ndarray | None = None) -> None:
-    """Add one contribution to the float32 accumulator, in place.
+    """Add one contribution to the accumulator, in place.
 
+    An integer wire adds into the int64 accumulator exactly.
     float32 adds straight from the wire buffer. float16 and bfloat16 are
     widened into `scratch` (a reusable float32 buffer of at least acc.size
     elements) when given, else into a temporary, then added.
@@ -50,6 +71,9 @@ def add_wire_into(acc: np.ndarray, data: bytes | memoryview, dtype: int,
         quant.add(acc, data, dtype, convert.accelerated())
         return
     raw = np.frombuffer(data, dtype=wire_numpy_dtype(dtype))
+    if dtype in INTEGER_WIRES:
+        np.add(acc, raw, out=acc)
+        return
     fast = convert.kernels()
     if (fast is not None and dtype != pb.DTYPE_FLOAT32 and acc.dtype == np.float32
             and acc.flags.c_contiguous and acc.flags.aligned):

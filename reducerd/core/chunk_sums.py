@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
+from reducer_wire.dtypes import INTEGER_WIRES
 
 from reducerd.core import accumulate
 from reducerd.core.chunks import (
@@ -124,8 +125,11 @@ class PooledSums:
         summing thread and back costs about as much CPU as adding 100-200 KiB
         (reducerd --help, --pool-chunk-bytes), so small chunks are summed inline,
         and so is every chunk while the daemon uses at most about one core
-        (pool.busy: reducerd.ops.busy)."""
-        return self.pool.busy and len(part.data) >= self.pool.min_chunk_bytes
+        (pool.busy: reducerd.ops.busy).
+        Integer chunks are always summed inline: their int64 accumulator is
+        NumPy's (neither the C tasks nor the pool's float32 arrays hold them)."""
+        return (self.pool.busy and len(part.data) >= self.pool.min_chunk_bytes
+                and part.dtype not in INTEGER_WIRES)
 
     def c_pool_for(self, part: Contribution) -> CSummingPool | None:
         """The C pool, if the chunk `part` opens is summed by its C tasks."""

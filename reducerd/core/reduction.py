@@ -1,4 +1,4 @@
-"""The reduction table: open chunks, float32 accumulation, failures.
+"""The reduction table: open chunks, their accumulation, failures.
 
 Pure Python and NumPy, no gRPC: the session checks and routes shards here and
 delivers what this module returns. Every method runs on the daemon's event loop
@@ -6,9 +6,10 @@ thread, so the table needs no lock. With a summing pool (--threads N > 1) a
 chunk of --pool-chunk-bytes or more is summed on its threads (chunk_sums); the
 table counts every contribution, land_result delivers via `on_deliveries`.
 
-Numerics: each chunk owns one float32 accumulator. The first contribution is
-converted into it, the others are added in place; MEAN divides by world_size
-in float32 once all are in, then the result is rounded once to the wire dtype.
+Numerics: each chunk owns one float32 accumulator (int64 for the integer
+wires: exact, reducerd.core.accumulate). The first contribution is converted
+into it, the others are added in place; MEAN divides by world_size in float32
+once all are in, then the result is rounded once to the wire dtype.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
-
-import numpy as np
 
 from reducerd.core import accumulate
 from reducerd.core.chunk_sums import PooledSums, narrow_result
@@ -261,7 +260,7 @@ class ReductionTable:
 
     def _open_chunk(self, cid: ChunkId, part: Contribution, sink: Hashable,
                     now: float, job: JobStats) -> list[Delivery]:
-        nbytes = part.numel * 4
+        nbytes = accumulate.accumulator_nbytes(part.dtype, part.numel)
         if not self.accepting_new_chunks:
             return [self._fail(cid, UNAVAILABLE, f"{cid.describe()}: daemon is shutting "
                                "down and opens no new chunks", (sink,), part)]
@@ -281,7 +280,8 @@ class ReductionTable:
         chunk: OpenChunk | None = None
         try:
             pooled = self._pooled if self._pooled is not None and self._pooled.takes(part) else None
-            acc = pooled.array_for(part) if pooled else np.empty(part.numel, dtype=np.float32)
+            acc = (pooled.array_for(part) if pooled
+                   else accumulate.new_accumulator(part.dtype, part.numel))
             chunk = OpenChunk(first_rank=part.rank, world_size=part.world_size,
                               dtype=part.dtype, op=part.op, numel=part.numel, acc=acc,
                               started_s=now, ranks={part.rank}, sinks={sink: None})
@@ -382,13 +382,14 @@ class ReductionTable:
     def _release(self, cid: ChunkId, chunk: OpenChunk, job: JobStats) -> None:
         if self._open.pop(cid, None) is not None:
             if chunk.sums is None:
-                self.budget.give_accumulator(4 * chunk.numel)
+                self.budget.give_accumulator(
+                    accumulate.accumulator_nbytes(chunk.dtype, chunk.numel))
             else:  # its summing thread gives the room back after its last task
                 assert self._pooled is not None
                 self._pooled.release(chunk)
                 chunk.sums = None  # no cycle: all goes once the last task ran, not at a GC pass
             job.open_chunks -= 1
-            job.open_chunk_bytes -= chunk.numel * 4
+            job.open_chunk_bytes -= accumulate.accumulator_nbytes(chunk.dtype, chunk.numel)
             self.records.give(job, chunk)
 
 

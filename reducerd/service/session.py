@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 import grpc
 from reducer_wire import dtypes
+from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.codec import MAX_NAME_CHARS, DecodeError, ShardView, decode_shard
 
 from reducerd.core.reduction import ChunkId, Contribution, Delivery, ReductionTable
@@ -37,8 +38,8 @@ __all__ = ["END", "MAX_OFFSET", "DecodeFault", "Observer", "Session", "Stream", 
 log = logging.getLogger("reducerd")
 
 MAX_OFFSET = 1 << 63
-# The wire dtypes both sides route (reducer_wire.dtypes.WIRE_DTYPES, the one list).
-_ROUTED_DTYPES = frozenset(dtypes.WIRE_DTYPES.values())
+# The wire dtypes both sides route (reducer_wire.dtypes: WIRE_DTYPES and the integer wires).
+_ROUTED_DTYPES = frozenset(dtypes.WIRE_DTYPES.values()) | dtypes.INTEGER_WIRES
 END = object()  # in an outbox: end the stream with OK
 
 
@@ -169,6 +170,9 @@ def check_shard(shard: ShardView, max_world_size: int = DEFAULT_MAX_WORLD_SIZE) 
         return f"dtype {shard.dtype} is unspecified or unknown"
     if shard.op not in dtypes.OP_NAMES:
         return f"op {shard.op} is unknown"
+    if shard.dtype in dtypes.INTEGER_WIRES and shard.op == pb.REDUCE_OP_MEAN:
+        return (f"op mean on {dtypes.DTYPE_NAMES[shard.dtype]}: integer dtypes are summed "
+                "only (the client divides, as Horovod does for integers)")
     if shard.world_size == 0:
         return "world_size is 0"
     if shard.world_size > max_world_size:

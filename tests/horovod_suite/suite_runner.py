@@ -3,7 +3,8 @@
 `run_cases(rank, world_size, addresses, job, suites)` is a run_workers
 target: it sets the environment a launcher would (reducerd's REDUCER_*
 variables and Horovod's HOROVOD_RANK / HOROVOD_SIZE, as horovodrun sets
-them), imports each vendored module from upstream/parallel and runs the named
+them; REDUCER_WIRE_DTYPE=float32, Horovod's uncompressed numerics, which the
+suites compare exactly), imports each vendored module from upstream/parallel and runs the named
 test functions of its TestCase class in order, in this one process. Every
 case gets a job id of its own (the client is shut down between cases), so a
 case that fails on one rank only costs the other rank one client timeout and
@@ -54,6 +55,7 @@ def run_cases(rank: int, world_size: int, addresses: list[str], job: str,
     os.environ.update(
         REDUCER_ADDRESSES=",".join(addresses), REDUCER_RANK=str(rank),
         REDUCER_WORLD_SIZE=str(world_size), REDUCER_TIMEOUT=str(CASE_TIMEOUT_S),
+        REDUCER_WIRE_DTYPE="float32",
         HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(world_size),
         OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     sys.path.insert(0, str(UPSTREAM))

@@ -31,6 +31,7 @@ from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.compression import wire_dtype_of
 from reducer_client.horovod import resolve_op
+from reducer_client.integers import horovod_scale, is_integer
 from reducer_client.torch._basics import resolve
 from reducer_client.torch._tensors import numpy_view, to_numpy
 
@@ -162,15 +163,17 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
                                        for t in tensors])
         if prescale != 1.0:
             values *= prescale
+    elif len({t.dtype for t in tensors}) == 1 and is_integer(_numpy_dtype(tensors[0])):
+        # Exact on an integer wire; scaled as Horovod scales integers.
+        values = out = horovod_scale(np.concatenate(
+            [t.detach().cpu().reshape(-1).numpy() for t in tensors]), prescale)
     try:
-        future = coll.allreduce_async(reducer, values, call, out=out)
+        future = coll.allreduce_async(reducer, values, call, out=out, postscale=postscale)
     except BaseException:
         _release(claim)
         raise
 
     def finish(result: np.ndarray) -> Any:
-        if postscale != 1.0:
-            result *= postscale
         flat, offset, results = result.reshape(-1), 0, []
         with torch.no_grad():
             for tensor in tensors:
@@ -185,6 +188,14 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
                 results.append(tensor)
         return results[0] if single else results
     return _handle(future, finish, claim)
+
+
+def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:
+    """The NumPy dtype of a CPU tensor's values (object for one NumPy lacks)."""
+    try:
+        return torch.empty(0, dtype=tensor.dtype).numpy().dtype
+    except TypeError:
+        return np.dtype(object)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,

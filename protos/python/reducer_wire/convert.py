@@ -1,5 +1,7 @@
 """Conversion of wire dtypes to and from float32 (and float64, float16 arrays).
 
+Integer wires copy as they are (reducer_wire.dtypes: the integer wires).
+
 The conversions run in C (reducer_wire._kernels: AVX-512 or F16C instructions
 where the CPU has them, no GIL) when the extension was built, which setup.py does
 wherever a C compiler is at hand; else in NumPy, as described below. Both
@@ -35,7 +37,7 @@ import numpy as np
 
 from reducer_wire import quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
-from reducer_wire.dtypes import QUANTIZED_DTYPES, wire_nbytes, wire_numpy_dtype
+from reducer_wire.dtypes import INTEGER_WIRES, QUANTIZED_DTYPES, wire_nbytes, wire_numpy_dtype
 
 __all__ = [
     "to_wire",
@@ -210,6 +212,8 @@ def to_wire(values: np.ndarray, dtype: int,
         quant.encode(flat.astype(np.float32, copy=False), dtype, target, fast is not None)
     elif dtype == pb.DTYPE_FLOAT32:
         np.copyto(target, flat, casting="unsafe")
+    elif dtype in INTEGER_WIRES:  # C's integer cast: wider values wrap around
+        np.copyto(target, flat, casting="unsafe")
     elif fast is not None and flat.dtype == np.float32:
         bits = target.view(np.uint16)
         (fast.f32_to_bf16 if dtype == pb.DTYPE_BFLOAT16 else fast.f32_to_f16)(flat, bits)
@@ -240,6 +244,9 @@ def from_wire(data: bytes | memoryview | np.ndarray, dtype: int, out: np.ndarray
         data, np.ndarray) else data
     if raw.size != out.size:  # NumPy would broadcast a single element over `out`
         raise ValueError(f"from_wire: {raw.size} wire elements for an output of {out.size}")
+    if dtype in INTEGER_WIRES:  # exact into any integer output at least as wide
+        np.copyto(out, raw, casting="unsafe")
+        return
     fast = _fast
     if (fast is not None and dtype != pb.DTYPE_FLOAT32 and raw.flags.c_contiguous
             and not (dtype == pb.DTYPE_FLOAT16 and out.dtype == np.float16)):

@@ -8,6 +8,11 @@ The 8-bit wires (reducer_wire.quant, docs/wire-8bit.md) are held as bytes
 element (a float32 scale per block of wire_block elements rides along), so
 every size is computed with wire_nbytes / wire_numel, never an item size, and
 chunks are cut at whole blocks.
+
+The integer wires carry integer tensors exactly: a tensor travels as its own
+dtype (never chosen by name, so "int8" above stays the 8-bit float wire), the
+daemon sums in int64 and narrows the sum to that width, wrapping around on
+overflow as the dtype's own addition does. They take op "sum" only.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from reducer_wire import quant
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 
 __all__ = ["WIRE_DTYPES", "EIGHT_BIT_DTYPES", "WIRE_OPS", "DTYPE_NAMES", "OP_NAMES",
-           "QUANTIZED_DTYPES", "wire_itemsize", "wire_numpy_dtype", "wire_block",
-           "wire_nbytes", "wire_numel", "op_value"]
+           "QUANTIZED_DTYPES", "INTEGER_WIRES", "integer_wire", "wire_itemsize",
+           "wire_numpy_dtype", "wire_block", "wire_nbytes", "wire_numel", "op_value"]
 
 # Name used in the client API -> protobuf enum value.
 # The 8-bit wires (reducer_wire.quant).
@@ -38,6 +43,16 @@ WIRE_DTYPES: dict[str, int] = {
 QUANTIZED_DTYPES: frozenset[int] = frozenset(EIGHT_BIT_DTYPES.values())
 WIRE_OPS: dict[str, int] = {"sum": pb.REDUCE_OP_SUM, "mean": pb.REDUCE_OP_MEAN}
 
+# NumPy integer dtype -> its integer wire (the tensor's own width).
+_INTEGER_WIRE: dict[np.dtype, int] = {
+    np.dtype(np.uint8): pb.DTYPE_UINT8,
+    np.dtype(np.int8): pb.DTYPE_INT8,
+    np.dtype(np.int16): pb.DTYPE_INT16,
+    np.dtype(np.int32): pb.DTYPE_INT32,
+    np.dtype(np.int64): pb.DTYPE_INT64,
+}
+INTEGER_WIRES: frozenset[int] = frozenset(_INTEGER_WIRE.values())
+
 # Storage dtype of each wire dtype, little-endian as the contract says.
 _STORAGE: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
@@ -46,6 +61,7 @@ _STORAGE: dict[int, np.dtype] = {
     pb.DTYPE_INT8_BLOCK128: np.dtype(np.uint8),
     pb.DTYPE_FP8_E4M3: np.dtype(np.uint8),
     pb.DTYPE_FP8_E5M2: np.dtype(np.uint8),
+    **{wire: dtype.newbyteorder("<") for dtype, wire in _INTEGER_WIRE.items()},
 }
 _BLOCK: dict[int, int] = {pb.DTYPE_INT8_BLOCK128: quant.INT8_BLOCK}
 
@@ -57,6 +73,12 @@ def wire_numpy_dtype(dtype: int) -> np.dtype:
         return _STORAGE[dtype]
     except KeyError:
         raise ValueError(f"unknown wire dtype {dtype}") from None
+
+
+def integer_wire(dtype: np.dtype) -> int | None:
+    """The integer wire that carries arrays of NumPy `dtype` exactly; None for
+    a dtype without one (floats, bool, unsigned wider than a byte)."""
+    return _INTEGER_WIRE.get(np.dtype(dtype))
 
 
 def wire_itemsize(dtype: int) -> int:
@@ -94,7 +116,9 @@ def wire_numel(dtype: int, nbytes: int) -> int | None:
     return None if rest else numel
 
 
-DTYPE_NAMES: dict[int, str] = {value: name for name, value in WIRE_DTYPES.items()}
+DTYPE_NAMES: dict[int, str] = {
+    **{value: name for name, value in WIRE_DTYPES.items()},
+    **{wire: f"integer {dtype}" for dtype, wire in _INTEGER_WIRE.items()}}
 OP_NAMES: dict[int, str] = {pb.REDUCE_OP_UNSPECIFIED: "sum", pb.REDUCE_OP_SUM: "sum",
                             pb.REDUCE_OP_MEAN: "mean"}
 

@@ -16,6 +16,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT8_BLOCK128: _ClassVar[DType]
     DTYPE_FP8_E4M3: _ClassVar[DType]
     DTYPE_FP8_E5M2: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+    DTYPE_INT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
 
 class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +34,11 @@ DTYPE_FLOAT32: DType
 DTYPE_INT8_BLOCK128: DType
 DTYPE_FP8_E4M3: DType
 DTYPE_FP8_E5M2: DType
+DTYPE_UINT8: DType
+DTYPE_INT8: DType
+DTYPE_INT16: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
 REDUCE_OP_UNSPECIFIED: ReduceOp
 REDUCE_OP_SUM: ReduceOp
 REDUCE_OP_MEAN: ReduceOp
