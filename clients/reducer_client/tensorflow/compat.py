@@ -10,8 +10,9 @@ that differ between ranks fail every rank at once, naming them. Calls pair
 up in call order (inside a tf.function the stateful ops keep program
 order). Each runs eagerly, or as one stateful tf.numpy_function op in a
 graph (not under XLA: jit_compile=False). allreduce carries floating point
-(an integer tensor fails on every rank) and has Horovod's gradient (the
-allreduce of the output's gradient); broadcast and allgather are exact for
+and integer tensors (uint8, int8, int16, int32, int64: exact, averaged as
+Horovod averages integers, reducer_client.integers) and has Horovod's
+gradient (the allreduce of the output's gradient); broadcast and allgather are exact for
 every dtype; allgather costs world_size times a ring's bytes.
 device_dense / device_sparse / process_set / ignore_name_scope are
 accepted for Horovod's signatures (one process set: the whole job).
@@ -32,6 +33,7 @@ from reducer_client.compression import Compressor, wire_dtype_of
 from reducer_client.errors import ReducerError
 from reducer_client.exact import decode_exact, encode_exact, encoded_per_element
 from reducer_client.horovod import resolve_op
+from reducer_client.integers import horovod_scale, is_integer
 from reducer_client.tensorflow._basics import basics
 from reducer_client.tensorflow._bridge import _in_xla_context, densify, remember_error
 from reducer_client.tensorflow.functions import broadcast_variables as assign_from_root
@@ -101,6 +103,8 @@ def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: s
     """One checked, fused allreduce of dense tensors; each result in its dtype and shape."""
     single = len(tensors) == 1
     dtype_names = [t.dtype.name for t in tensors]
+    if len(set(dtype_names)) == 1 and is_integer(tensors[0].dtype.as_numpy_dtype):
+        return _allreduce_integers(tensors, name, op, pre, post, reducer)
     floats = all(t.dtype.is_floating for t in tensors)
     flat = (tf.reshape(tf.cast(tensors[0], tf.float32) if floats else tensors[0], [-1])
             if single else tf.concat([tf.reshape(tf.cast(t, tf.float32) if floats else
@@ -130,6 +134,35 @@ def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: s
     results = []
     for part, tensor in zip(parts, tensors, strict=True):
         result = tf.cast(tf.reshape(part, tf.shape(tensor)), tensor.dtype)
+        result.set_shape(tensor.shape)
+        results.append(result)
+    return results
+
+
+def _allreduce_integers(tensors: list[tf.Tensor], name: str | None, op: str, pre: float,
+                        post: float, reducer: Reducer | None) -> list[tf.Tensor]:
+    """_allreduce_flat of integer tensors of one dtype: exact on its integer
+    wire, average / prescale / postscale as Horovod scales integers."""
+    single, dtype = len(tensors) == 1, tensors[0].dtype
+    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+
+    def body(values: np.ndarray) -> np.ndarray:
+        shape = tuple(tensors[0].shape) if single else (values.size,)
+        if None in shape:
+            shape = (values.size,)
+        call = coll.Call(coll.ALLREDUCE, name, dtype.name, shape, values.size, op=op,
+                         tag=0 if single else len(tensors),
+                         signature="" if single else repr([(t.dtype.name, tuple(t.shape))
+                                                           for t in tensors]))
+        scaled = horovod_scale(values.reshape(-1), pre)
+        return coll.allreduce_async(basics.resolve(reducer), np.array(scaled), call,
+                                    postscale=post).result()
+    out = _run(body, [flat], dtype, "allreduce")
+    parts = [out] if single else tf.split(out, tf.stack([tf.size(t) for t in tensors]),
+                                          num=len(tensors))
+    results = []
+    for part, tensor in zip(parts, tensors, strict=True):
+        result = tf.reshape(part, tf.shape(tensor))
         result.set_shape(tensor.shape)
         results.append(result)
     return results

@@ -156,8 +156,10 @@ def _allreduce_start(tensors: Sequence[torch.Tensor], in_place: bool, name: str 
                 values *= prescale
         else:
             values = to_numpy(tensors[0]).reshape(-1)
-            if prescale != 1.0:
-                values = values * prescale  # a copy: the input stays as it is
+            if prescale != 1.0:  # a copy: the input stays as it is
+                # float16 in float32 math, rounded once (Horovod's CPU scaling)
+                values = (values * np.float32(prescale) if values.dtype != np.float16 else
+                          (values.astype(np.float32) * np.float32(prescale)).astype(np.float16))
     elif floats:
         values = out = np.concatenate([to_numpy(t).reshape(-1).astype(np.float32, copy=False)
                                        for t in tensors])
