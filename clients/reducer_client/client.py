@@ -231,10 +231,9 @@ class ReducerClient:
         higher first (0, the default, last): its chunks go out before queued
         chunks of lower priority, and the daemons answer them first
         (Shard.priority). Only the order changes; every rank should give the
-        same. Not carried through node-local aggregation.
+        same. Not carried through node-local aggregation. Integers: "sum", exact.
         """
-        array = np.asarray(array)
-        wire = self.wire_dtype if wire_dtype is None else wire_dtype
+        array, wire = np.asarray(array), self.wire_dtype if wire_dtype is None else wire_dtype
         if wire not in dtypes.WIRE_DTYPES:
             raise ValueError(f"wire_dtype {wire!r}: one of {', '.join(dtypes.WIRE_DTYPES)}")
         if not (isinstance(priority, int) and 0 <= priority < 1 << 32):

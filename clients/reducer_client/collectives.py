@@ -28,17 +28,33 @@ from __future__ import annotations
 
 import threading
 import weakref
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from reducer_wire import dtypes
 
 from reducer_client.api import Reducer
 from reducer_client.compression import allreduce_async_on_wire
+from reducer_client.control_rows import (
+    ALLGATHER,
+    ALLREDUCE,
+    BROADCAST,
+    CHECK,
+    FLOAT_DTYPES,
+    REDUCIBLE_DTYPES,
+    ROW,
+    STEP,
+    Call,
+    active_count,
+    call_shape,
+    check,
+    encode,
+    gather_counts,
+    joined_row,
+    last_joined,
+    shadowed,
+)
 from reducer_client.errors import ReducerError
 from reducer_client.integers import INTEGER_INPUTS, horovod_scale, is_integer
 
@@ -48,136 +64,6 @@ __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW"
            "REDUCIBLE_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
-ALLREDUCE, BROADCAST, ALLGATHER, STEP, CHECK = 1, 2, 3, 4, 5
-_KINDS = {ALLREDUCE: "allreduce", BROADCAST: "broadcast", ALLGATHER: "allgather",
-          STEP: "optimizer step", CHECK: "check"}
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "bool", "int8", "uint8",
-                "int16", "uint16", "int32", "uint32", "int64", "uint64", "complex64",
-                "complex128")
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
-# What allreduce sums: floats on the client's wire, integers exactly (reducer_client.integers).
-REDUCIBLE_DTYPES = FLOAT_DTYPES | frozenset(INTEGER_INPUTS)
-_WIRES = tuple(dtypes.WIRE_DTYPES)
-_OPS = ("sum", "mean")
-_MAX_DIMS = 8
-_LIMB = 1 << 24
-
-# Row fields. Numbers up to 2^48 take two 24-bit limbs.
-(_PRESENT, _KIND, _NAME, _DTYPE, _OP, _ROOT, _WIRE, _TAG, _NDIM, _SHAPE_HASH,
- _JOINED_AT) = range(11)
-_NUMEL, _DATA, _DIMS = 11, 13, 15
-ROW = _DIMS + 2 * _MAX_DIMS
-
-
-@dataclass(frozen=True)
-class Call:
-    """One rank's view of a collective call.
-
-    dtype: the framework's dtype name ("float32", "bfloat16", "int64", ...).
-    data_numel: elements sent under the data key (per row for allgather).
-    signature: what else must agree (grouped calls: every shape), hashed.
-    """
-
-    kind: int
-    name: str | None
-    dtype: str
-    shape: tuple[int, ...]
-    data_numel: int
-    op: str | None = None
-    root_rank: int | None = None
-    wire: str | None = None
-    tag: int = 0
-    signature: str = ""
-
-    def describe(self) -> str:
-        return _KINDS[self.kind] + ("" if self.name is None else f" {self.name!r}")
-
-
-def _hash24(text: str) -> int:
-    return zlib.crc32(text.encode()) % (_LIMB - 1) + 1
-
-
-def _put(row: np.ndarray, at: int, value: int) -> None:
-    row[at], row[at + 1] = value % _LIMB, value // _LIMB
-
-
-def _get(row: np.ndarray, at: int) -> int:
-    return int(row[at]) + int(row[at + 1]) * _LIMB
-
-
-def _row(call: Call) -> np.ndarray:
-    row = np.zeros(ROW, np.float32)
-    row[_PRESENT], row[_KIND] = 1, call.kind
-    row[_NAME] = 0 if call.name is None else _hash24(call.name)
-    row[_DTYPE] = (_DTYPE_NAMES.index(call.dtype) + 1 if call.dtype in _DTYPE_NAMES
-                   else len(_DTYPE_NAMES) + 1)
-    row[_OP] = 0 if call.op is None else _OPS.index(call.op) + 1
-    row[_ROOT] = 0 if call.root_rank is None else call.root_rank + 1
-    row[_WIRE] = 0 if call.wire is None else _WIRES.index(call.wire) + 1
-    row[_TAG], row[_NDIM] = call.tag, len(call.shape)
-    agreed = call.shape[1:] if call.kind == ALLGATHER else call.shape
-    row[_SHAPE_HASH] = _hash24(f"{agreed}|{call.signature}")
-    _put(row, _NUMEL, int(np.prod(call.shape, dtype=np.int64)))
-    _put(row, _DATA, call.data_numel)
-    for i, dim in enumerate(call.shape[:_MAX_DIMS]):
-        _put(row, _DIMS + 2 * i, dim)
-    return row
-
-
-def _shape_of(row: np.ndarray) -> tuple[int, ...] | str:
-    ndim = int(row[_NDIM])
-    return f"{ndim}-d" if ndim > _MAX_DIMS else tuple(_get(row, _DIMS + 2 * i) for i in range(ndim))
-
-
-def _dtype_of(row: np.ndarray) -> str:
-    code = int(row[_DTYPE])
-    return _DTYPE_NAMES[code - 1] if 0 < code <= len(_DTYPE_NAMES) else "another dtype"
-
-
-_FIELDS: tuple[tuple[str, Callable[[np.ndarray, int], object]], ...] = (
-    ("what they call", lambda r, k: _KINDS.get(int(r[_KIND]), "?")),
-    ("the name", lambda r, k: "unnamed" if not r[_NAME] else f"name #{int(r[_NAME])}"),
-    ("dtype", lambda r, k: _dtype_of(r)),
-    ("shape", lambda r, k: (_shape_of(r)[1:] if k == ALLGATHER
-                            and isinstance(_shape_of(r), tuple) else _shape_of(r),
-                            int(r[_SHAPE_HASH]))),
-    ("op", lambda r, k: _OPS[int(r[_OP]) - 1] if r[_OP] else None),
-    ("root_rank", lambda r, k: int(r[_ROOT]) - 1 if r[_ROOT] else None),
-    ("compression (wire dtype)", lambda r, k: _WIRES[int(r[_WIRE]) - 1] if r[_WIRE] else
-     "the client's"),
-    ("the optimizer", lambda r, k: int(r[_TAG])),
-)
-
-
-def check(rows: np.ndarray, call: Call) -> int:
-    """Raise if the active ranks' rows disagree; return how many ranks are active."""
-    active = [r for r in range(rows.shape[0]) if rows[r, _PRESENT] == 1]
-    for field, value_of in _FIELDS:
-        values = {r: value_of(rows[r], call.kind) for r in active}
-        if len(set(values.values())) > 1:
-            by_value: dict[object, list[int]] = {}
-            for r, v in values.items():
-                by_value.setdefault(v, []).append(r)
-            parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} "
-                              f"{', '.join(map(str, rs))}: {v[0] if isinstance(v, tuple) else v}"
-                              for v, rs in by_value.items())
-            raise ReducerError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{call.describe()}: ranks disagree on {field} ({parts})")
-    bad = sorted({_dtype_of(rows[r]) for r in active} - REDUCIBLE_DTYPES)
-    if call.kind == ALLREDUCE and bad:
-        raise TypeError(f"{call.describe()}: dtype {', '.join(bad)} cannot be reduced: "
-                        f"allreduce carries {', '.join(sorted(REDUCIBLE_DTYPES))} "
-                        "(broadcast and allgather carry any dtype)")
-    return len(active)
-
-
-def active_count(rows: np.ndarray) -> int:
-    return int((rows[:, _PRESENT] == 1).sum())
-
-
-def call_shape(rows: np.ndarray) -> tuple[int, ...] | str:
-    """The shape the first active rank's row names (what a STEP shadow reads)."""
-    return _shape_of(rows[int(np.argmax(rows[:, _PRESENT] == 1))])
 
 
 class _Session:
@@ -240,12 +126,12 @@ def _control(reducer: Reducer, row: np.ndarray) -> Future[np.ndarray]:
 
 def own_rows(call: Call) -> np.ndarray:
     """The control rows of a one-rank job making `call` (what its round would return)."""
-    return _row(call).reshape(1, ROW)
+    return encode(call).reshape(1, ROW)
 
 
 def control_async(reducer: Reducer, call: Call) -> Future[np.ndarray]:
     """Start the control round of `call`; the future holds every rank's row."""
-    return _control(reducer, _row(call))
+    return _control(reducer, encode(call))
 
 
 def _chain(control: Future, call: Call, then: Callable[[np.ndarray, int], Future | None],
@@ -336,12 +222,6 @@ def broadcast_async(reducer: Reducer, encoded: np.ndarray, call: Call) -> Future
     return _chain(control, call, lambda rows, active: data, lambda r, rows, a: r)
 
 
-def _gather_rows(rows: np.ndarray) -> list[int]:
-    """Rows each rank contributes to an allgather (0 for joined ranks)."""
-    return [_get(rows[r], _DIMS) if rows[r, _PRESENT] == 1 and rows[r, _NDIM] else 0
-            for r in range(rows.shape[0])]
-
-
 def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
                     ) -> Future[tuple[np.ndarray, list[int]]]:
     """Checked allgather of `encoded` (rows x data_numel float32, exact).
@@ -358,7 +238,7 @@ def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
     def gather() -> np.ndarray:
         rows = control.result()  # settles within the client's timeout
         check(rows, call)
-        counts = _gather_rows(rows)
+        counts = gather_counts(rows)
         total = np.zeros((sum(counts), call.data_numel), np.float32)
         start = sum(counts[:rank])
         total[start:start + counts[rank]] = encoded.reshape(counts[rank], call.data_numel)
@@ -369,33 +249,32 @@ def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
         control = control_async(reducer, call)
         data = session.gather.submit(gather)
     return _chain(control, call, lambda rows, active: data,
-                  lambda result, rows, active: (result, _gather_rows(rows)))
+                  lambda result, rows, active: (result, gather_counts(rows)))
 
 
 def _shadow(reducer: Reducer, rows: np.ndarray) -> None:
     """What a joined rank sends for the call the active ranks' rows describe."""
-    first = rows[int(np.argmax(rows[:, _PRESENT] == 1))]
-    kind, numel = int(first[_KIND]), _get(first, _DATA)
-    if kind == ALLREDUCE:
-        wire = _WIRES[int(first[_WIRE]) - 1] if first[_WIRE] else None
-        op = _OPS[int(first[_OP]) - 1] if first[_OP] else "sum"
-        allreduce_async_on_wire(reducer, np.zeros(numel, np.float32), DATA_KEY, op,
-                                wire).result()
-    elif kind == BROADCAST:
-        allreduce_async_on_wire(reducer, np.zeros(numel, np.float32), DATA_KEY, "sum",
-                                "float32").result()
-    elif kind == ALLGATHER:
-        total = sum(_gather_rows(rows)) * numel
+    call = shadowed(rows)
+    if call.kind == ALLREDUCE and call.dtype in INTEGER_INPUTS:
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, call.dtype), DATA_KEY,
+                                "sum", None).result()
+    elif call.kind == ALLREDUCE:
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), DATA_KEY,
+                                call.op, call.wire).result()
+    elif call.kind == BROADCAST:
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), DATA_KEY,
+                                "sum", "float32").result()
+    elif call.kind == ALLGATHER:
+        total = sum(gather_counts(rows)) * call.data_numel
         session = _session(reducer)
         session.gather.submit(lambda: allreduce_async_on_wire(
             reducer, np.zeros(total, np.float32), GATHER_KEY, "sum", "float32").result()
         ).result()
-    elif kind == STEP:
-        tag = int(first[_TAG])
-        shadow = _session(reducer).shadows.get(tag)
+    elif call.kind == STEP:
+        shadow = _session(reducer).shadows.get(call.tag)
         if shadow is None:
             raise ReducerError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"join: the other ranks step optimizer #{tag}, which this "
+                               f"join: the other ranks step optimizer #{call.tag}, which this "
                                "rank never created")
         shadow(rows)
 
@@ -411,10 +290,7 @@ def join(reducer: Reducer) -> int:
     session = _session(reducer)
     joined_at = session.rounds + 1
     while True:
-        row = np.zeros(ROW, np.float32)
-        row[_JOINED_AT] = joined_at % _LIMB
-        rows = _control(reducer, row).result()
+        rows = _control(reducer, joined_row(joined_at)).result()
         if active_count(rows) == 0:
-            last = rows[:, _JOINED_AT]
-            return int(np.flatnonzero(last == last.max())[-1])
+            return last_joined(rows)
         _shadow(reducer, rows)

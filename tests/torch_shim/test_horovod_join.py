@@ -41,6 +41,27 @@ def test_join_allreduce_divides_by_the_ranks_that_contributed():
         assert sums == ([] if rank == 0 else [5.0]) and second != 0
 
 
+def test_join_integer_allreduce_is_exact_and_averaged_over_the_ranks_in():
+    """A joined rank mirrors an integer allreduce on its integer wire: the sum
+    is exact (values past float32's 2^24) and the average, Horovod's integer
+    one, divides by the ranks that contributed."""
+    big = 1 << 40
+
+    def work(rank, reducer):
+        if rank == 2:
+            hvd.join(reducer=reducer)
+            return None
+        total = hvd.allreduce(torch.full((3,), big + rank, dtype=torch.int64), op=hvd.Sum,
+                              reducer=reducer)
+        mean = hvd.allreduce(torch.full((3,), 7 + rank, dtype=torch.int32), reducer=reducer)
+        hvd.join(reducer=reducer)
+        return total.tolist(), mean.dtype, mean.tolist()
+    results = ok(on_ranks(work, 3))
+    for total, dtype, mean in results[:2]:
+        assert total == [2 * big + 1] * 3
+        assert dtype == torch.int32 and mean == [7] * 3  # (7 + 8) / 2, truncated
+
+
 def test_join_allgather_and_broadcast():
     def work(rank, reducer):
         if rank == 0:

@@ -95,8 +95,10 @@ def test_local_group_checks_out_as_the_client_does():
             client.allreduce(x, "k", out=bad)
     with pytest.raises(ValueError, match="op 'max'"):
         client.allreduce(x, "k", op="max")
-    with pytest.raises(TypeError, match="int64 is not supported"):
-        client.allreduce(np.ones(4, np.int64), "k")
+    with pytest.raises(TypeError, match="uint16 is not supported"):
+        client.allreduce(np.ones(4, np.uint16), "k")
+    with pytest.raises(ValueError, match="integer allreduce sums only"):
+        client.allreduce(np.ones(4, np.int64), "k", op="mean")
     with pytest.raises(ValueError, match="wire_dtype 'int4'"):
         LocalGroup(1, wire_dtype="int4")
 

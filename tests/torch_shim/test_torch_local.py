@@ -78,9 +78,12 @@ def test_unnamed_allreduce_calls_pair_up_in_order():
     assert on_ranks(work) == [[0.5, 1.5, 2.5]] * 2
 
 
-def test_allreduce_rejects_integers(process_client):
-    with pytest.raises(TypeError, match="floating-point"):
-        rt.allreduce(torch.arange(3), name="ints")
+def test_allreduce_takes_integers_and_refuses_bool_and_complex(process_client):
+    ints = rt.allreduce(torch.arange(3, dtype=torch.int32), name="ints", op="sum")
+    assert ints.dtype == torch.int32 and ints.tolist() == [0, 1, 2]
+    for dtype in (torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"dtype {str(dtype)[6:]} cannot be reduced"):
+            rt.allreduce(torch.ones(3, dtype=dtype), name=f"bad-{dtype}")
 
 
 def test_bucket_plan_reverse_order_by_dtype():

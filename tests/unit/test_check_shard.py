@@ -66,7 +66,7 @@ def test_the_dtypes_and_ops_accepted_are_those_of_the_wire_package():
     refused as unknown, not taken and failed later)."""
     from reducer_wire import dtypes
 
-    routed = set(dtypes.WIRE_DTYPES.values())
+    routed = set(dtypes.WIRE_DTYPES.values()) | dtypes.INTEGER_WIRES
     for dtype in range(-1, 16):
         data = b"\0" * dtypes.wire_nbytes(dtype, 1) if dtype in routed else b"\0\0"
         assert (check_shard(shard(dtype=dtype, data=data)) == "") == (dtype in routed), dtype
