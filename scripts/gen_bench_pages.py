@@ -152,7 +152,8 @@ def allreduce_table(data: dict[str, Any]) -> list[str]:
     lines = [_row(head), _row(["---"] * len(head))]
     for r in sorted(results, key=lambda r: (r["size_bytes"], r["system"] != "reducerd")):
         t = r["time_s"]
-        ratio = "" if r["system"] == "reducerd" else f"{ratios.get((r['system'], r['size_bytes']), 0):.2f}"
+        key = (r["system"], r["size_bytes"])
+        ratio = "" if r["system"] == "reducerd" or key not in ratios else f"{ratios[key]:.2f}"
         cells = [_size(r["size_bytes"]), f"`{r['system']}`", _ms(t["median"]),
                  f"{_ms(t['min'])}-{_ms(t['max'])}", f"{r['algbw_GBps']:.3g}", ratio]
         if emulated:
@@ -199,7 +200,8 @@ def headline(bench: Benchmark, data: dict[str, Any]) -> str:
     text = (f"{_size(size)}, N={config['workers']}, D={config['daemons']}: `reducerd` "
             f"({config['wire_dtype']}) {_ms(ours['time_s']['median'])} ms")
     if ours.get("line_rate_bound_s"):
-        text += f" ({ours['time_s']['median'] / ours['line_rate_bound_s']:.2f}x the line-rate bound)"
+        bound_x = ours["time_s"]["median"] / ours["line_rate_bound_s"]
+        text += f" ({bound_x:.2f}x the line-rate bound)"
     return text + (", " + ", ".join(others) if others else "")
 
 

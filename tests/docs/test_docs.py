@@ -23,6 +23,9 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "scripts"))
 import gen_cli_reference  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import page_blocks  # noqa: E402
+
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
 PAGES_IN_SITE = [DOCS / "index.md", DOCS / "tutorial" / "first-job.md",
                  DOCS / "reference" / "cli.md"]
@@ -114,3 +117,50 @@ def test_tutorial_blocks_run_against_real_daemons():
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+
+
+# -- every how-to's code blocks ------------------------------------------------
+
+HOWTOS = sorted((DOCS / "howto").glob("*.md"))
+# Pages whose blocks need another interpreter than this one: its bin/ first on PATH.
+PAGE_PYTHON = {"mxnet.md": ROOT / ".venv-mxnet" / "bin"}
+PAGE_TIMEOUT_S = {"keras.md": 150}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("page", HOWTOS, ids=[p.name for p in HOWTOS])
+def test_every_block_runs_or_says_why_not(page):
+    """A block the runner would skip names its reason; output blocks alone go unmarked."""
+    for block in page_blocks.blocks(page.read_text()):
+        runnable = block.lang in page_blocks.RUNNABLE or block.title
+        if block.not_run is None:
+            assert runnable or block.lang in page_blocks.OUTPUT, (
+                f"{page.name}: a {block.lang} block neither runs nor says why not "
+                f"(<!-- not-run: REASON -->):\n{block.code[:200]}")
+        else:
+            assert len(block.not_run) >= 10, f"{page.name}: give the reason: {block.not_run!r}"
+
+
+@pytest.mark.parametrize("page", HOWTOS, ids=[p.name for p in HOWTOS])
+def test_howto_blocks_run(page, tmp_path):
+    text = page.read_text()
+    runnable = [b for b in page_blocks.blocks(text)
+                if b.not_run is None and b.lang in page_blocks.RUNNABLE]
+    if not runnable:
+        pytest.skip(f"{page.name} has no runnable block (each says why)")
+    env = _env()
+    bin_dir = PAGE_PYTHON.get(page.name, Path(sys.executable).parent)
+    if not (bin_dir / "python").exists():
+        pytest.skip(f"{page.name} needs {bin_dir.parent} (make venv-mxnet)")
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
+    script = page_blocks.script(text, page_blocks.local_ports(text))
+    timeout_s = PAGE_TIMEOUT_S.get(page.name, 90)
+    try:
+        run = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=timeout_s,
+                             start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{page.name}: its blocks ran past {timeout_s} s\n"
+                             f"{(exc.stderr or b'')[-3000:]!r}") from None
+    assert run.returncode == 0, f"{page.name}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
