@@ -155,6 +155,8 @@ def test_howto_blocks_run(page, tmp_path):
     env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
     script = page_blocks.script(text, page_blocks.local_ports(text))
+    for name in ("deploy", "examples"):  # the pages run from the repository root
+        (tmp_path / name).symlink_to(ROOT / name)
     timeout_s = PAGE_TIMEOUT_S.get(page.name, 90)
     try:
         run = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env,
