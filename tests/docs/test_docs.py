@@ -43,6 +43,35 @@ def test_cli_reference_is_what_the_parsers_print():
 
 
 @pytest.mark.timeout(60)
+def test_options_table_is_what_the_code_says():
+    page = (DOCS / "reference" / "configuration.md").read_text()
+    assert page == gen_cli_reference.render_configuration(page), (
+        "docs/reference/configuration.md's options table is stale: run "
+        "scripts/gen_cli_reference.py")
+    from reducerd.ops.options import _FLAGS
+
+    for flag in _FLAGS:  # every option has its row
+        assert f"| `{flag}` |" in page, flag
+
+
+@pytest.mark.timeout(30)
+def test_reference_names_every_client_variable_and_metric():
+    """The environment variables the client reads and the metrics the daemon serves
+    each appear in their reference page."""
+    env_code = (ROOT / "clients" / "reducer_client" / "env.py").read_text()
+    env_code += (ROOT / "clients" / "reducer_client" / "elastic" / "lobby.py").read_text()
+    config_page = (DOCS / "reference" / "configuration.md").read_text()
+    variables = set(re.findall(r"\bREDUCER_[A-Z0-9_]*[A-Z0-9]\b", env_code))
+    assert {"REDUCER_ADDRESSES", "REDUCER_CLIENT_C_LOOP"} <= variables
+    assert not {v for v in variables if v not in config_page}
+    metrics_code = (ROOT / "reducerd" / "ops" / "metrics.py").read_text()
+    metrics_page = (DOCS / "reference" / "metrics.md").read_text()
+    names = set(re.findall(r'"(reducerd_[a-z_]+)"', metrics_code))
+    assert len(names) >= 10
+    assert not {n for n in names if n not in metrics_page}
+
+
+@pytest.mark.timeout(60)
 def test_site_pages_speak_of_no_sessions_or_issue_numbers():
     for page in PAGES_IN_SITE:
         text = page.read_text()
