@@ -256,3 +256,24 @@ def _run_page_blocks(page: Path, tmp_path: Path, timeout_s: float) -> None:
         raise AssertionError(f"{page.name}: its blocks ran past {timeout_s} s\n"
                              f"{(exc.stderr or b'')[-3000:]!r}") from None
     assert run.returncode == 0, f"{page.name}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+
+
+@pytest.mark.timeout(30)
+def test_bench_docs_runs_each_command_into_its_json(monkeypatch):
+    """`make bench-docs` runs every listed command, writing the JSON its page reads,
+    and stops at the first failure; the emulated ones ask for root."""
+    calls = []
+
+    def fake_run(argv, cwd, env):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1 if len(calls) == 2 else 0)
+
+    monkeypatch.setattr(gen_bench_pages.os, "geteuid", lambda: 0)
+    assert gen_bench_pages.run([], python="py", runner=fake_run) == 1
+    first = gen_bench_pages.BENCHMARKS[0]
+    assert calls[0] == ["py", "-m", "reducerd", "bench", *first.argv, "--json", str(first.data)]
+    assert len(calls) == 2  # stopped at the failing second
+    monkeypatch.setattr(gen_bench_pages.os, "geteuid", lambda: 1000)
+    rooted = [b.name for b in gen_bench_pages.BENCHMARKS if b.root]
+    assert gen_bench_pages.run(rooted[:1], python="py", runner=fake_run) == 2
+    assert gen_bench_pages.run(["no-such-benchmark"], runner=fake_run) == 2
