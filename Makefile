@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: all venv venv-mxnet build test test-main test-mxnet test-deploy test-adversarial demo proto lint \
-	docs docs-cli clean
+	docs docs-cli docs-bench bench-docs clean
 
 all: test
 
@@ -89,13 +89,26 @@ demo: $(BUILT)
 	$(VENV)/bin/python examples/demo.py
 
 # The documentation site (MkDocs, Material theme), strict: a warning fails the build.
+# The generated pages (CLI reference, benchmark results, README's figures) must be current.
 docs: $(BUILT)
 	$(VENV)/bin/python scripts/gen_cli_reference.py --check
+	$(VENV)/bin/python scripts/gen_bench_pages.py --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # Regenerate the command-line reference from the argument parsers.
 docs-cli: $(BUILT)
 	$(VENV)/bin/python scripts/gen_cli_reference.py
+
+# Regenerate docs/benchmarks/*.md and README.md's figures from docs/benchmarks/data/.
+docs-bench: $(BUILT)
+	$(VENV)/bin/python scripts/gen_bench_pages.py
+
+# Measure every benchmark the docs quote, then regenerate their pages: the list,
+# each command and its run time (about 9 minutes on 2 cores in all) are in
+# scripts/gen_bench_pages.py (`--list`). As root: the emulated cluster needs it.
+bench-docs: $(BUILT)
+	$(VENV)/bin/python scripts/gen_bench_pages.py --list
+	$(VENV)/bin/python scripts/gen_bench_pages.py --run
 
 proto: $(STAMP)
 	$(VENV)/bin/python scripts/gen_proto.py

@@ -13,24 +13,16 @@ daemons, one after the other, --repeats times each.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import numpy as np
 from reducer_client.client import ReducerClient
 
+from reducerd.bench.host import cpu_model
 from reducerd.ops.local import start_daemon
 
 _KEYS = 20
 _PASSES = 10
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def per_key_cpu_s(client: ReducerClient, numel: int) -> float:

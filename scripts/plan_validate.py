@@ -13,7 +13,7 @@ tolerance. With `--baselines gloo-float16` the ring's projection is checked
 too. Exit status 1 when any row is outside the tolerance.
 
     sudo .venv/bin/python scripts/plan_validate.py --workers 2,4,8 --daemons 1,2,4 \\
-        --sizes 16M --rate 200mbit --out-dir docs/bench/plan --markdown docs/bench/plan/table.md
+        --sizes 16M --rate 200mbit --out-dir plan-check --markdown plan-check/table.md
 """
 
 from __future__ import annotations

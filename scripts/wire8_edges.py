@@ -1,4 +1,4 @@
-"""What each 8-bit wire makes of values at the edge of its range: docs/wire-8bit.md's table.
+"""What each 8-bit wire makes of values at the edge of its range (docs/explanation/numerics.md).
 
     python scripts/wire8_edges.py
 

@@ -27,6 +27,7 @@ from reducer_wire import convert
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire.dtypes import wire_nbytes
 
+from reducerd.bench.host import cpu_model
 from reducerd.core import accumulate
 
 F16 = pb.DTYPE_FLOAT16
@@ -43,15 +44,6 @@ def best_of(repeat: int, fn: Callable[[], None]) -> float:
     return min(times)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ from reducerd.bench.config import (
     BenchConfig,
     systems_for,
 )
+from reducerd.bench.host import command_line
 from reducerd.bench.units import parse_sizes
 
 __all__ = ["main", "build_parser", "config_from_argv", "UsageError"]
@@ -107,7 +108,8 @@ def config_from_argv(argv: list[str]) -> BenchConfig:
         workers_per_node=args.workers_per_node,
         json_path=args.json, plot_path=args.plot, mxnet_python=args.mxnet_python,
         stall_timeout_s=args.stall_timeout, chunk_bytes=args.chunk_bytes,
-        log_dir=args.log_dir, ddp_hook=args.ddp_hook)
+        log_dir=args.log_dir, ddp_hook=args.ddp_hook,
+        command=command_line("reducerd bench", argv))
 
 
 def main(argv: list[str]) -> int:

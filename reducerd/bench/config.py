@@ -72,6 +72,8 @@ class BenchConfig:
     log_dir: Path | None = None
     # Time the DDP hook's path beside the core's (needs torch).
     ddp_hook: bool = True
+    # The command line that asked for this run, recorded in the JSON.
+    command: str = "reducerd bench"
 
     @property
     def systems(self) -> tuple[str, ...]:

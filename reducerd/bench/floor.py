@@ -7,7 +7,7 @@ its share on one TCP connection, paced as reducerd's client paces them: one
 sender hands the chunks to their sockets in the layout's order, each socket
 with the client's TCP_NOTSENT_LOWAT, so the flows keep in step (without
 that, plain TCP was 11 % slower than reducerd at 64 MiB on the emulated
-cluster: docs/pipeline.md); that host's echo server sends chunk k back
+cluster: docs/explanation/performance.md); that host's echo server sends chunk k back
 to each worker once all N workers' chunk k is in (the rule a daemon answers
 by), echoing each worker its own bytes. No encoding, no summing, no
 protocol: the time left beyond the line-rate bound is the emulated network's
@@ -15,7 +15,7 @@ protocol: the time left beyond the line-rate bound is the emulated network's
 2 cores' scheduling, a floor for what reducerd itself adds. Not a strict
 one: each echo server is one Python process whose readers and writers share
 its GIL, and reducerd's daemons, with summing threads and a C header parse,
-came in a little under it at times (docs/benchmarks.md).
+came in a little under it at times (docs/benchmarks/).
 
 Per operation a worker sends a header (`!I` chunk count, then `!I` per chunk:
 its bytes); every worker must send the same one, or the server exits naming

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ from rich.table import Table
 from reducerd import __version__
 from reducerd.bench.config import BenchConfig
 from reducerd.bench.figures import time_ratios
+from reducerd.bench.host import host_record
 from reducerd.bench.units import format_bytes, format_ms, format_size
 
 __all__ = ["render_table", "config_record", "write_json", "write_plot"]
@@ -89,8 +88,7 @@ def config_record(config: BenchConfig, systems: list[str], skipped: dict[str, st
         "timing": "each iteration as long as its slowest rank; median/min/max over the "
                   "timed iterations; algbw = size_bytes / median; GB = 1e9 bytes",
         "reducerd_version": __version__,
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                 "python": platform.python_version(), "kernel": platform.release()},
+        "host": host_record(config.command),
     }
 
 

@@ -30,7 +30,7 @@
  * idle worker sleeps on its partition's condition, signalled only when it
  * sleeps. (Spinning 20-200 us before sleeping was measured: no faster in the
  * table's own run, and slower on loopback, where the spinning took CPU from
- * the readers: docs/scaling.md.)
+ * the readers: scripts/daemon_threads.py.)
  *
  * This file: the Pool type (creation, start, waits, close) and the module;
  * _sumpool_threads.c: the summing threads; _sumpool_tasks.c: queueing and

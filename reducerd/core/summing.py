@@ -36,7 +36,7 @@ log = logging.getLogger("reducerd")
 # Input queued per summing thread before the loop waits. A chunk's
 # contributions all queue on its one thread (8 contributors of 1 MiB: 8 MiB),
 # so this is four such chunks: with 8 MiB (one) a thread often ran dry while
-# the loop waited for room (2 threads, docs/scaling.md: 1.69x one thread's
+# the loop waited for room (2 threads, scripts/daemon_threads.py: 1.69x one thread's
 # rate, 1.86x with 32 MiB). The daemon caps the pool's total at an eighth of
 # --max-inflight-bytes, which counts what is queued (as transport bytes).
 QUEUED_BYTES_PER_THREAD = 32 << 20

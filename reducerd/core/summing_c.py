@@ -5,7 +5,7 @@ SummingPool's threads are Python threads: each task takes the GIL to start,
 again after its kernel, and once more to count itself done, and every one of
 those hand-offs can wait for the loop thread and wake it (on a 2-vCPU VM:
 2.5 context switches per 1 MiB task, and the two threads burned 1.6 cores for
-the work one core did inline, docs/scaling.md). Here a chunk's copy, adds and
+the work one core did inline: scripts/daemon_threads.py). Here a chunk's copy, adds and
 finish (MEAN's divide and the narrowing into its reply) are C tasks with the
 wire kernels' C API: no GIL and no Python on the summing threads. What the
 loop must do after them (give back the room, land the result) comes back as

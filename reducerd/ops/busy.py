@@ -9,7 +9,7 @@ CPU time (every thread's) every SAMPLE_S: while it used at least
 threads; once it uses less than OFF_FRACTION of that, they are summed inline
 again. The band between the two keeps a load near the threshold from
 switching at every sample (the threads' own cost raises the CPU that
-pooling shows). Measured, docs/scaling.md: on a 2-vCPU machine shared with
+pooling shows). Measured with scripts/daemon_threads.py: on a 2-vCPU machine shared with
 its workers the pool cost 15 % more daemon CPU per byte for no speed.
 """
 

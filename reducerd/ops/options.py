@@ -19,7 +19,7 @@ STALLED_AFTER_S = 5.0
 DEFAULT_MAX_WORLD_SIZE = 65536
 WORLD_SIZE_FIELD_MAX = (1 << 32) - 1  # Shard.world_size is a uint32
 MAX_THREADS = 1024
-# Measured (docs/scaling.md): the summing threads' hand-off costs ~45 us per
+# Measured (scripts/daemon_threads.py): the summing threads' hand-off costs ~45 us per
 # contribution, as much as adding 0.5 MiB of float16 with the C kernel.
 DEFAULT_POOL_CHUNK_BYTES = 1 << 20
 

@@ -1,6 +1,6 @@
 """The capacity model: bytes per link, daemons needed, communication time per step.
 
-Symbols (docs/scaling.md derives each line):
+Symbols (docs/explanation/performance.md derives each line):
 
     N  worker nodes, G GPUs each (K = N x G ranks)
     M  the model's gradient in the wire dtype, bytes (params x wire bytes each)
@@ -38,7 +38,7 @@ daemons at once, a daemon takes from all N workers at once). At the other
 end the last chunk's N contributions come into one daemon link as N TCP
 flows, which share it by packets, not by chunks: the last of them lands up
 to (N - 1) C / Rd after the first, and its result still has to go out. On
-the emulated 200 Mbit cluster with credits per link (docs/scaling.md,
+the emulated 200 Mbit cluster with credits per link (docs/explanation/performance.md,
 "Validation") that is within 10 % of all 27 runs at N = 2, 4, 8, D = 1,
 2, 4 and 1, 16, 64 MiB, on an Intel and an AMD machine; twice the first
 term, the model until the twenty-first session, overstated the ends by up

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Project a data-parallel cluster's gradient traffic per step, for "
                     "reducerd and for a ring allreduce: bytes per link, the daemons that "
                     "keep the workers' links full, communication time per step. The model "
-                    "is in docs/scaling.md.")
+                    "is in docs/explanation/performance.md.")
     add = parser.add_argument
     add("--preset", choices=sorted(PRESETS),
         help="a named setting (flags given beside it win): "

@@ -46,6 +46,9 @@ def test_loopback_sweep_every_system(tmp_path: Path):
     assert config["workers"] == 2 and config["daemons"] == 2
     assert config["sizes_bytes"] == SIZES and config["failed"] == {}
     assert config["emulate_cluster"] is None
+    # What the figures were measured on, when and with what (the results pages show it).
+    assert config["host"]["command"] == "reducerd bench " + " ".join(args)
+    assert config["host"]["cpu_model"] and config["host"]["date"].endswith("Z")
     if not HAS_MXNET_ENV:
         assert "mxnet-ps skipped" in done.stderr
     for system in systems:

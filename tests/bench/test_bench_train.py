@@ -255,6 +255,7 @@ def test_tiny_loopback_run_every_system(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
     data = json.loads(out.read_text())
     assert data["config"]["failed"] == {} and data["config"]["param_count"] == 2720
+    assert data["config"]["host"]["command"].startswith("reducerd bench --train tiny ")
     results = {(r["system"], r["workers"]): r for r in data["results"]}
     assert set(results) == {(s, n) for s in systems for n in (1, 2)}
     batch = data["config"]["batch_per_worker"]

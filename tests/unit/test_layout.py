@@ -278,7 +278,7 @@ def test_a_bert_large_step_of_small_buckets_stays_balanced_over_the_daemons():
     """Layout v3 spreads small keys by their CRC alone: the DistributedOptimizer's
     50 buckets of BERT-large at the bench's byte scale 100 (128 KiB each on a
     float16 wire) put at most 1.15x the mean bytes on the busiest daemon, in
-    2-3 chunks a bucket instead of one per daemon (docs/training.md)."""
+    2-3 chunks a bucket instead of one per daemon (docs/benchmarks/training.md)."""
     torch = pytest.importorskip("torch")
     from reducer_client.torch.optimizer import _plan_buckets
     from reducer_wire import dtypes

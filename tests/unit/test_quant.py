@@ -428,7 +428,7 @@ def test_bad_sizes_are_refused_with_the_sizes_named():
     assert (acc == 127).all()
 
 
-# -- the edge of each format's range (docs/wire-8bit.md's table: scripts/wire8_edges.py) -
+# -- the edge of each format's range (docs/explanation/numerics.md, scripts/wire8_edges.py) -
 
 NAN = float("nan")
 EDGE_INPUTS = [448.0, 449.0, 464.0, 464.00003, 57344.0, 61439.996, 61440.0, 65504.0, 1e5,

@@ -3,7 +3,7 @@
 Elements travel little-endian (contract section 2). NumPy has no bfloat16, so
 bfloat16 is held as its uint16 bit patterns: the upper half of a float32.
 
-The 8-bit wires (reducer_wire.quant, docs/wire-8bit.md) are held as bytes
+The 8-bit wires (reducer_wire.quant, docs/explanation/numerics.md) are held as bytes
 (uint8). FP8 is one byte per element; int8 is not a whole number of bytes per
 element (a float32 scale per block of wire_block elements rides along), so
 every size is computed with wire_nbytes / wire_numel, never an item size, and

@@ -1,7 +1,7 @@
 """The 8-bit wire formats: int8 with a scale per block, FP8 E4M3 and E5M2.
 
 NumPy here is the reference and the fallback; reducer_wire._quant (C, no GIL)
-gives the same bits and is used when built (`use_c`). docs/wire-8bit.md
+gives the same bits and is used when built (`use_c`). docs/explanation/numerics.md
 derives the error bound that ERROR_BOUND_DOC states.
 
 int8 (DTYPE_INT8): a chunk of n float32 elements is cut into blocks of
@@ -54,7 +54,7 @@ __all__ = ["encode", "decode", "add", "INT8_BLOCK", "Fp8Format", "E4M3", "E5M2",
 # Elements per int8 block. 128: the four scale bytes cost 3.1 % over one byte
 # per element (64: 6.3 %, 256: 1.6 %); on gradient-like data the RMS error is
 # 9-21 % above block 64's and 8-21 % below block 256's, and encoding is no
-# slower than with 256 (docs/wire-8bit.md has the measurements). The C kernels
+# slower than with 256 (docs/explanation/numerics.md has the measurements). The C kernels
 # take any block size; the wire (DTYPE_INT8_BLOCK128) fixes this one.
 INT8_BLOCK = 128
 _SCALE_BYTES = 4
@@ -64,7 +64,7 @@ _NAN_BITS = np.uint32(0x7FC00000)
 
 ERROR_BOUND_DOC = """\
 Per element, against the exact sum S = sum_r x_r of the float32 inputs x_r
-of N contributors (docs/wire-8bit.md derives it):
+of N contributors (docs/explanation/numerics.md derives it):
 
     SUM:  |got - S|     <= E_in + g * (M + E_in) + e_out
     MEAN: |got - S / N| <= (E_in + g * (M + E_in)) / N

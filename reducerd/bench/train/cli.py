@@ -7,6 +7,7 @@ import argparse
 from reducerd.bench import arguments as shared
 from reducerd.bench.arguments import UsageError
 from reducerd.bench.config import WIRE_DTYPE_NAMES
+from reducerd.bench.host import command_line
 from reducerd.bench.train.config import DEFAULT_SYSTEMS, TRAIN_SYSTEMS, Accelerator, TrainConfig
 from reducerd.bench.train.specs import MODELS, model_spec
 from reducerd.bench.units import parse_rate
@@ -132,7 +133,8 @@ def config_from_argv(argv: list[str]) -> TrainConfig:
         emulate_cluster=args.emulate_cluster, rate_bytes_per_s=rate, emulate_delay_s=delay,
         emulate_mtu=args.emulate_mtu, wire_dtype=args.wire_dtype, lr=args.lr,
         json_path=args.json, plot_path=args.plot, stall_timeout_s=args.stall_timeout,
-        log_dir=args.log_dir, device=args.device)
+        log_dir=args.log_dir, device=args.device,
+        command=command_line("reducerd bench", argv))
 
 
 def main(argv: list[str]) -> int:

@@ -92,6 +92,8 @@ class TrainConfig:
     stall_timeout_s: float = 300.0
     log_dir: Path | None = None
     device: str = "cpu"  # "cuda": real compute on the machine's first GPU (gpu.py)
+    # The command line that asked for this run, recorded in the JSON.
+    command: str = "reducerd bench --train"
 
     @property
     def spec(self) -> ModelSpec:

@@ -207,7 +207,7 @@ _FP8_UNIT = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -9), "fp8_e5m2": (2.0 ** -3, 2.0 ** 
 def eight_bit_error_bound(reference: np.ndarray, largest_grad: np.ndarray, lr: float,
                           world_size: int, wire: str, largest_anywhere: float) -> np.ndarray:
     """The same for an 8-bit wire: reducer_wire.quant.ERROR_BOUND_DOC's MEAN
-    bound (docs/wire-8bit.md) with every rank's gradient at most
+    bound (docs/explanation/numerics.md) with every rank's gradient at most
     `largest_grad` in size here, and at most `largest_anywhere` (over every
     tensor and rank) in any int8 block, which may span tensors. Coarser than
     the per-block bound that tests/integration/test_quant_wire.py checks,

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from reducerd import __version__
+from reducerd.bench.host import host_record
 from reducerd.bench.train.config import TrainConfig, scaled_numel
 from reducerd.bench.units import format_ms
 
@@ -185,7 +186,7 @@ def write_json(path: Path, config: TrainConfig, results: list[dict[str, Any]],
                failed: dict[str, str], elapsed_s: float) -> None:
     record = {**config.record(), "failed": failed, "elapsed_s": round(elapsed_s, 1),
               "reducerd_version": __version__, "python": platform.python_version(),
-              "cpus": os.cpu_count()}
+              "cpus": os.cpu_count(), "host": host_record(config.command)}
     path.write_text(json.dumps({"config": record, "results": results}, indent=2) + "\n")
 
 
