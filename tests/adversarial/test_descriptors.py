@@ -147,6 +147,7 @@ def test_one_tenants_connections_leave_descriptors_for_the_others(tmp_path, desc
         peak[0] = max(peak[0], _descriptors(pid))
         assert peak[0] < NOFILE - RESERVE_DESCRIPTORS // 2, peak[0]
         # Another job still served in time, through gRPC while the data plane is full.
+        print(f"the daemon's descriptors peaked at {peak[0]} of {NOFILE}")
         other = job_token(TOKEN, "other")
         assert good_job([daemon.address], job="other", token=other, timeout=20) < 15
         assert "accept failed" not in daemon.log()
