@@ -39,7 +39,7 @@ from reducerd.ops.config import Config, ConfigError
 from reducerd.ops.descriptors import DescriptorError, DescriptorPlan, plan_descriptors
 from reducerd.ops.memory import HeapTrimmer
 from reducerd.ops.notify import Notifier
-from reducerd.ops.receive_buffers import FLOOR_BYTES, OPEN_BYTES, ReceiveBuffers
+from reducerd.ops.receive_buffers import ReceiveBuffers
 from reducerd.service.access import Access
 from reducerd.service.session import Session
 
@@ -227,9 +227,7 @@ class Daemon:
                                     receive_buffers=buffers,
                                     cap_note=plan.cap_note() if plan else "the daemon's cap")
         self.servicer.data_port = self.data_plane.start(*address)
-        log.info("data plane: receive buffers of %d KiB each (SO_RCVBUF %d KiB, doubled by "
-                 "the kernel) while their total keeps to --max-inflight-bytes, %d KiB past "
-                 "it", 2 * OPEN_BYTES >> 10, OPEN_BYTES >> 10, 2 * FLOOR_BYTES >> 10)
+        log.info("data plane: %s", buffers.describe())
 
     def _tls_context(self, what: str) -> ssl.SSLContext | None:
         """The daemon's certificate (and client CA) for TLS beside gRPC's, or None."""

@@ -23,6 +23,16 @@ connections at most, fewer under a low RLIMIT_NOFILE (reducerd.ops.descriptors).
 A payload larger than half its socket's buffer is read in pieces
 (SO_RCVLOWAT is capped there), as one above 4 MiB always was.
 
+The kernel caps SO_RCVBUF at net.core.rmem_max (208 KiB on a stock Linux):
+fixed there, an admitted connection's window would be smaller than its
+autotuning gives it (tcp_rmem's largest, 6 MiB stock), too small for a
+fast link's bandwidth-delay product. Where rmem_max is below OPEN_BYTES an
+admitted connection's buffer is left to the kernel and counted at the most
+autotuning can grow it to (tcp_rmem[2]); sockets in their handshake keep
+the kernel's first size (tcp_rmem[1]: they read nothing past their HELLO,
+and autotuning grows a buffer only as it is read), and those past the
+total are fixed at the floor.
+
 `set_receive_buffer` is the one function every accept path calls (the
 Python data plane's, and the C loop's through it).
 """
@@ -32,7 +42,8 @@ from __future__ import annotations
 import socket
 import threading
 
-__all__ = ["FLOOR_BYTES", "OPEN_BYTES", "JOB_SHARE", "set_receive_buffer", "ReceiveBuffers"]
+__all__ = ["FLOOR_BYTES", "OPEN_BYTES", "JOB_SHARE", "set_receive_buffer", "kernel_limits",
+           "ReceiveBuffers"]
 
 # SO_RCVBUF of a socket in its handshake or past the total (the kernel holds
 # twice as much): a frame header and a loopback segment or two.
@@ -59,14 +70,34 @@ def set_receive_buffer(sock: socket.socket | int, nbytes: int) -> int:
             s.detach()  # the descriptor stays the caller's
 
 
+def kernel_limits() -> tuple[int, int]:
+    """(net.core.rmem_max, tcp_rmem's largest): the most SO_RCVBUF may set, and
+    the most autotuning grows a buffer to; (0, 0) where they cannot be read."""
+    try:
+        with open("/proc/sys/net/core/rmem_max") as f:
+            rmem_max = int(f.read())
+        with open("/proc/sys/net/ipv4/tcp_rmem") as f:
+            autotune_max = int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return rmem_max, autotune_max
+
+
 class ReceiveBuffers:
     """The receive buffers granted to admitted data connections against
     `total_bytes`, in all and per job; thread-safe (the accept and handshake
     threads take, whichever thread ends a connection gives)."""
 
     def __init__(self, total_bytes: int, open_bytes: int = OPEN_BYTES,
-                 floor_bytes: int = FLOOR_BYTES) -> None:
+                 floor_bytes: int = FLOOR_BYTES,
+                 limits: tuple[int, int] | None = None) -> None:
+        """`limits`: kernel_limits() (read here by default)."""
         self.total_bytes, self.open_bytes, self.floor_bytes = total_bytes, open_bytes, floor_bytes
+        rmem_max, autotune_max = kernel_limits() if limits is None else limits
+        # Whether an admitted connection's buffer is fixed at open_bytes, or
+        # left to autotuning and counted at its most (module doc).
+        self.fixes_open = rmem_max >= open_bytes or autotune_max <= 0
+        self.autotune_bytes = autotune_max
         # _lock guards held_bytes, _jobs and _granted.
         self._lock = threading.Lock()
         self.held_bytes = 0  # the kernel's (doubled) sizes of the grants above the floor
@@ -74,8 +105,21 @@ class ReceiveBuffers:
         self._granted: dict[object, tuple[int, str | None]] = {}  # owner -> (bytes, job)
 
     def at_accept(self, sock: socket.socket | int) -> None:
-        """A new socket, in its handshake: the floor."""
-        set_receive_buffer(sock, self.floor_bytes)
+        """A new socket, in its handshake: the floor (where buffers are fixed)."""
+        if self.fixes_open:
+            set_receive_buffer(sock, self.floor_bytes)
+
+    def describe(self) -> str:
+        """The log line's account of the sizes."""
+        if self.fixes_open:
+            return (f"receive buffers of {2 * self.open_bytes >> 10} KiB each (SO_RCVBUF "
+                    f"{self.open_bytes >> 10} KiB, doubled by the kernel) while their total "
+                    f"keeps to {self.total_bytes} bytes (--max-inflight-bytes), "
+                    f"{2 * self.floor_bytes >> 10} KiB past it")
+        return (f"receive buffers left to the kernel's autotuning (net.core.rmem_max is "
+                f"below {self.open_bytes} bytes), each counted at {self.autotune_bytes} "
+                f"bytes (tcp_rmem) while their total keeps to {self.total_bytes} bytes "
+                f"(--max-inflight-bytes), {2 * self.floor_bytes >> 10} KiB past it")
 
     def admit(self, owner: object, sock: socket.socket | int, job: str | None) -> int:
         """An admitted connection's buffer: OPEN_BYTES where the total and its
@@ -85,12 +129,17 @@ class ReceiveBuffers:
             free = self.total_bytes - self.held_bytes
             if job is not None:
                 free = min(free, self.total_bytes // JOB_SHARE - self._jobs.get(job, 0))
-            want = min(self.open_bytes, free // 2)  # the kernel doubles it
-            if want <= self.floor_bytes:
-                return 2 * self.floor_bytes
-            got = set_receive_buffer(sock, want)
-            if got <= 0:
-                return 0
+            if not self.fixes_open:
+                if free < self.autotune_bytes:
+                    return set_receive_buffer(sock, self.floor_bytes)
+                got = self.autotune_bytes  # the most the kernel lets it grow to
+            else:
+                want = min(self.open_bytes, free // 2)  # the kernel doubles it
+                if want <= self.floor_bytes:
+                    return 2 * self.floor_bytes
+                got = set_receive_buffer(sock, want)
+                if got <= 0:
+                    return 0
             self.held_bytes += got
             if job is not None:
                 self._jobs[job] = self._jobs.get(job, 0) + got

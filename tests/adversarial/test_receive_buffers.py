@@ -27,7 +27,7 @@ import pytest
 from probes import MiB, assert_alive, data_port, data_socket, good_job, limited_daemon
 from reducer_wire.framing import SHARD, frame_header
 
-from reducerd.ops.receive_buffers import FLOOR_BYTES, OPEN_BYTES
+from reducerd.ops.receive_buffers import FLOOR_BYTES, OPEN_BYTES, kernel_limits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,7 +112,8 @@ def test_unread_frames_wait_in_buffers_kept_to_the_limit(tmp_path):
         assert peak <= BOUND, f"{peak / MiB:.1f} MiB unread (was 240-256 MiB)"
         if buffers:
             assert len(buffers) == CONNECTIONS, buffers
-            assert max(buffers) <= 2 * OPEN_BYTES
+            # Fixed at 4 MiB (doubled), or left to autotuning under a stock rmem_max.
+            assert max(buffers) <= max(2 * OPEN_BYTES, kernel_limits()[1])
             opened = [b for b in buffers if b > 2 * FLOOR_BYTES]
             assert sum(opened) <= LIMIT, buffers
         for sock in socks:

@@ -143,3 +143,26 @@ def test_set_receive_buffer_takes_a_descriptor_and_leaves_it_open():
     finally:
         client.close()
         server.close()
+
+
+def test_under_a_stock_rmem_max_admitted_buffers_are_left_to_autotuning_and_counted_at_its_most():
+    """net.core.rmem_max 208 KiB (stock) would fix a window too small for a
+    fast link: admitted connections keep the kernel's autotuning, each
+    counted at tcp_rmem's largest (6 MiB here); past the total, the floor."""
+    floor = 16 << 10
+    buffers = ReceiveBuffers(12 << 20, floor_bytes=floor, limits=(212992, 6 << 20))
+    assert not buffers.fixes_open and "autotuning" in buffers.describe()
+    pairs = [_connected_pair() for _ in range(3)]
+    try:
+        before = [s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) for _, s in pairs]
+        for _, server in pairs:
+            buffers.at_accept(server)
+        got = [buffers.admit(i, server, None) for i, (_, server) in enumerate(pairs)]
+        assert got == [6 << 20, 6 << 20, 2 * floor]
+        after = [s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) for _, s in pairs]
+        assert after[:2] == before[:2] and after[2] == 2 * floor  # only the third is fixed
+        assert buffers.held_bytes == 12 << 20
+    finally:
+        for client, server in pairs:
+            client.close()
+            server.close()
