@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -124,4 +125,36 @@ def test_unread_frames_wait_in_buffers_kept_to_the_limit(tmp_path):
     finally:
         for sock in socks:
             sock.close()
+        daemon.stop()
+
+
+def test_connections_past_the_total_are_served_at_the_floor(tmp_path):
+    """Eight ranks under a 16 MiB limit: two connections get 4 MiB buffers,
+    the other six stay at the floor (ss -tm shows them while the job runs)
+    and read their 1 MiB payloads in pieces; every round exact."""
+    daemon = limited_daemon("--max-inflight-bytes", str(LIMIT), log_dir=tmp_path)
+    samples: list[list[int]] = []
+    stop = threading.Event()
+
+    def sample(port: int) -> None:
+        while not stop.wait(0.05):
+            samples.append(_receive_buffers(port))
+
+    try:
+        port = data_port(daemon.address)
+        sampler = threading.Thread(target=sample, args=(port,), daemon=True)
+        sampler.start()
+        good_job([daemon.address], world_size=8, size=MiB // 4, rounds=3, timeout=30)
+        stop.set()
+        sampler.join(5)
+        if shutil.which("ss") is not None:
+            all_eight = [b for b in samples if len(b) >= 8]
+            assert all_eight, samples[-3:]
+            # Two fit in the 16 MiB (8 MiB each in the kernel); the rest at the floor.
+            assert all(sum(x > 2 * FLOOR_BYTES for x in b) <= 2 for b in all_eight), all_eight[:3]
+            assert any(sum(x == 2 * FLOOR_BYTES for x in b) >= 6 for b in all_eight)
+        assert "receive buffers" in daemon.log()
+        assert_alive(daemon)
+    finally:
+        stop.set()
         daemon.stop()
