@@ -31,12 +31,15 @@ from reducerd.core.summing_c import summing_pool
 from reducerd.daemon.grpc_peers import SCAN_PERIOD_S, UnauthenticatedGuard
 from reducerd.daemon.grpc_service import ReducerServicer
 from reducerd.daemon.reload import reload_daemon
+from reducerd.dataplane import plane as data_plane_module
 from reducerd.dataplane.plane import DataPlane
 from reducerd.ops.binding import add_port
 from reducerd.ops.busy import SAMPLE_S, BusyGate
-from reducerd.ops.config import Config
+from reducerd.ops.config import Config, ConfigError
+from reducerd.ops.descriptors import DescriptorError, DescriptorPlan, plan_descriptors
 from reducerd.ops.memory import HeapTrimmer
 from reducerd.ops.notify import Notifier
+from reducerd.ops.receive_buffers import ReceiveBuffers
 from reducerd.service.access import Access
 from reducerd.service.session import Session
 
@@ -60,6 +63,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reducer"].full_name
 # and HTTP/2-handshaked connections alike in grpcio's server, as
 # grpc.max_connection_age_ms does for every connection and
 # grpc.server_handshake_timeout_ms for those short of the HTTP/2 handshake).
+# Under a low descriptor limit both caps are sized below it (reducerd.ops.descriptors).
 MAX_GRPC_CONNECTIONS = 8192
 TRIM_PERIOD_S = 1.0  # how often the heaps' free memory may be given back (_trim_loop)
 
@@ -131,6 +135,7 @@ class Daemon:
         self._server: grpc.aio.Server | None = None
         self._bind_guard: socket.socket | None = None  # held while serving (binding.py)
         self.guard: UnauthenticatedGuard | None = None  # made by start() (grpc_peers.py)
+        self.descriptors: DescriptorPlan | None = None  # sized by start()
 
     async def start(self) -> int:
         """Bind and start serving; return the bound port."""
@@ -142,6 +147,7 @@ class Daemon:
             self._start_metrics(cfg.metrics_address)
         token = cfg.auth_token()
         self.access = Access(token)
+        self.descriptors = self._plan_descriptors()
         # Before the gRPC server exists: a taken data port stops us cleanly.
         self._start_data_plane(token)
         try:
@@ -161,7 +167,7 @@ class Daemon:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
-            ("grpc.max_allowed_incoming_connections", MAX_GRPC_CONNECTIONS),
+            ("grpc.max_allowed_incoming_connections", self._grpc_cap),
             ("grpc.max_connection_idle_ms", int(cfg.grpc_idle_timeout_s * 1000)),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
@@ -181,7 +187,7 @@ class Daemon:
         self.port, self._bind_guard = add_port(server, cfg.listen_address, credentials)
         await server.start()
         self._server = server
-        self.guard = UnauthenticatedGuard(self.port, MAX_GRPC_CONNECTIONS)
+        self.guard = UnauthenticatedGuard(self.port, self._grpc_cap)
         self.servicer.on_authenticated = self.guard.note_authenticated
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -192,15 +198,36 @@ class Daemon:
             log.info("data plane on %s:%d", cfg.data_address[0], self.servicer.data_port)
         return self.port
 
+    def _plan_descriptors(self) -> DescriptorPlan:
+        """Raise RLIMIT_NOFILE where it may, size both planes' caps below it, log it."""
+        try:
+            plan = plan_descriptors(data_plane_module.MAX_CONNECTIONS, MAX_GRPC_CONNECTIONS,
+                                    data_plane_module.MAX_HANDSHAKING)
+        except DescriptorError as exc:
+            raise ConfigError(str(exc)) from None  # exit 2: a restart would not help
+        (log.warning if plan.sized_down else log.info)("%s", plan.describe())
+        return plan
+
+    @property
+    def _grpc_cap(self) -> int:
+        return (self.descriptors.grpc_connections if self.descriptors is not None
+                else MAX_GRPC_CONNECTIONS)
+
     def _start_data_plane(self, token: str | None) -> None:
         address = self.config.data_address
         if address is None:
             return
         cfg = self.config
+        plan = self.descriptors
+        buffers = ReceiveBuffers(cfg.max_inflight_bytes)
         self.data_plane = DataPlane(self.session, asyncio.get_running_loop(), self.access,
                                     cfg.max_message_bytes, send_timeout_s=cfg.round_timeout_s,
-                                    tls_context=self._tls_context("the data plane"))
+                                    tls_context=self._tls_context("the data plane"),
+                                    max_connections=plan.data_connections if plan else None,
+                                    receive_buffers=buffers,
+                                    cap_note=plan.cap_note() if plan else "the daemon's cap")
         self.servicer.data_port = self.data_plane.start(*address)
+        log.info("data plane: %s", buffers.describe())
 
     def _tls_context(self, what: str) -> ssl.SSLContext | None:
         """The daemon's certificate (and client CA) for TLS beside gRPC's, or None."""

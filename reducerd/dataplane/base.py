@@ -103,6 +103,7 @@ class Plane(Protocol):
     limits: ConnectionLimits
     backlog: Credit  # frames read on reader threads, not yet taken by the loop
     payload_slots: PayloadSlots
+    refusing: threading.BoundedSemaphore  # refused connections lingering to send why
 
     def admit(self, conn: Any) -> tuple[grpc.StatusCode, str] | None:
         """Count an authenticated connection, or why it may not be served."""

@@ -304,15 +304,21 @@ class Connection:
         self.plane.call(self.plane.session.refusals.log, logging.INFO,
                         ("data plane", self.counted_job, code.name),
                         f"data plane: refused {self.stream.peer}: {message}")
+        # Lingering holds a descriptor and this thread: a flood of refused
+        # connections gets its status in one try and the socket closed.
+        lingering = self.plane.refusing.acquire(blocking=False)
         try:
-            self.sock.settimeout(LINGER_S)
+            self.sock.settimeout(LINGER_S if lingering else 0.0)
             self.io.sendall(status_frame(code, message))
             self.sock.shutdown(socket.SHUT_WR)
-            _drop_input(self.io, LINGER_S)
+            if lingering:
+                _drop_input(self.io, LINGER_S)
         except OSError:
             pass
         finally:
             self.sock.close()
+            if lingering:
+                self.plane.refusing.release()
 
     # -- on the loop thread --------------------------------------------------
 

@@ -21,9 +21,15 @@ Bounds, so that no client can hold the daemon's memory or threads for ever
 - at most MAX_HANDSHAKING connections are in their handshake, apart from the
   authenticated ones: one more evicts the oldest, so trickled handshakes
   cannot lock workers out (a worker's handshake takes a round trip);
-- at most MAX_CONNECTIONS authenticated connections, and half of them per
-  job of a job token; beyond, a new one is refused with RESOURCE_EXHAUSTED
-  (clients fall back to gRPC for a while);
+- at most MAX_CONNECTIONS authenticated connections (the daemon sizes the
+  cap below its descriptor limit: reducerd.ops.descriptors), and half of
+  them per job of a job token; beyond, a new one is refused with
+  RESOURCE_EXHAUSTED naming the cap (clients fall back to gRPC for a while);
+  at most REFUSING_AT_MOST refused ones linger to send their status, the
+  others are told and closed at once;
+- each socket's kernel receive buffer is fixed (SO_RCVBUF) so that what
+  waits unread in them all keeps to --max-inflight-bytes
+  (reducerd.ops.receive_buffers);
 - each frame's declared length is reserved from the memory budget
   (--max-inflight-bytes) before it is read, and must arrive within the frame
   timeout; a reader pauses while its replies wait unsent; a send without
@@ -47,6 +53,8 @@ from reducer_wire.framing import shutdown_quietly
 from reducerd.core.limits import Credit, MemoryBudget, StreamCount
 from reducerd.dataplane.base import BACKLOG_FRAMES, ConnectionLimits, PayloadSlots
 from reducerd.dataplane.connection import Connection
+from reducerd.ops.descriptors import REFUSING_AT_MOST
+from reducerd.ops.receive_buffers import ReceiveBuffers
 from reducerd.service.access import Access
 from reducerd.service.session import Session
 
@@ -70,7 +78,11 @@ class DataPlane:
                  access: Access, max_message_bytes: int,
                  send_timeout_s: float = 60.0, tls_context: ssl.SSLContext | None = None,
                  budget: MemoryBudget | None = None, max_handshaking: int | None = None,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 receive_buffers: ReceiveBuffers | None = None,
+                 cap_note: str = "the daemon's cap") -> None:
+        """`receive_buffers`: the kernel buffers' total (default: the budget's
+        limit); `cap_note`: where max_connections came from, for the refusal."""
         self.session = session
         self.loop = loop
         self.access = access
@@ -83,6 +95,11 @@ class DataPlane:
         # Read when built, not when imported: tests start daemons with smaller caps.
         self.max_handshaking = max_handshaking or MAX_HANDSHAKING
         self.max_connections = max_connections or MAX_CONNECTIONS
+        self.cap_note = cap_note
+        self.receive_buffers = receive_buffers or ReceiveBuffers(self.budget.limit_bytes)
+        # Refused connections still sending their status, each holding a
+        # descriptor and a thread for up to the linger (Connection.refuse).
+        self.refusing = threading.BoundedSemaphore(REFUSING_AT_MOST)
         self._listener: socket.socket | None = None
         # _lock guards _handshaking, _connections and _stopped; taken by the
         # accept thread, the connections' threads and stop() (loop thread).
@@ -156,6 +173,7 @@ class DataPlane:
                 log.warning("data plane: accept failed: %s", exc)
                 time.sleep(_ACCEPT_POLL_S)
                 continue
+            self.receive_buffers.at_accept(sock)
             conn = Connection(self, sock, f"{address[0]}:{address[1]}")
             evicted = None
             with self._lock:
@@ -193,10 +211,14 @@ class DataPlane:
                 return grpc.StatusCode.UNAVAILABLE, "reducerd is shutting down"
             refusal = self._counts.refusal(conn.stream.job)
             if refusal is not None:
+                if self._counts.total >= self.max_connections:
+                    refusal = f"{refusal}: {self.cap_note}"
                 return grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
             self._connections.add(conn)
             conn.counted_job = conn.stream.job  # its job may be set later, by a shard
             self._counts.add(conn.counted_job)
+            # Under the lock: forget() gives it back after, never before.
+            self.receive_buffers.admit(conn, conn.sock, conn.counted_job)
             conn.registered = True
             return None
 
@@ -206,6 +228,7 @@ class DataPlane:
             if conn in self._connections:
                 self._connections.remove(conn)
                 self._counts.remove(conn.counted_job)
+            self.receive_buffers.release(conn)
 
     def call(self, function: Any, *args: Any) -> None:
         """Run `function(*args)` on the loop thread, after the calls before it

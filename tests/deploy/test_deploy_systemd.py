@@ -8,6 +8,7 @@ answer SERVING (none fails after READY=1); the daemon runs as a dynamic user
 with no capabilities, no new privileges, a seccomp filter, a read-only root and
 a private /tmp, with LimitNOFILE as far as the manager allows and its own
 session keyring, at exposure under 2.0; the credential carries the token;
+`systemctl reload` sends SIGHUP and the same process serves on;
 `systemctl stop` drains (a round completes during the drain, one fails at its
 end, exit 0) and the drain's warning is in `journalctl -p warning`; a bad key
 stops the start with status 2, once, its line at error priority; a frozen
@@ -176,6 +177,38 @@ def test_the_credential_carries_the_token(machine):
     # The README's check, as root in the machine.
     machine.run(["/opt/reducerd/bin/reducerd", "status", "--address", "127.0.0.1:7000",
                  "--token-file", "/etc/reducerd/token"])
+
+
+def test_reload_sends_sighup_and_the_daemon_keeps_serving(machine):
+    """`systemctl reload` runs the unit's ExecReload= (SIGHUP): the same
+    process goes on serving and logs what it reloaded. The token it reads is
+    the credential's copy: whether systemd refreshed it on reload decides
+    which token the daemon serves after, and the log says which."""
+    pid = machine.main_pid("reducerd")
+    start = machine.cursor()
+    token_file = machine.path("/etc/reducerd/token")
+    old = token(machine)
+    new = "rotated-" + old[:16]
+    token_file.write_text(new + "\n")
+    try:
+        reload = machine.run(["systemctl", "reload", "reducerd"], check=False)
+        assert reload.returncode == 0, machine.journal("reducerd", "-n", "30")
+        logged = wait_for(lambda: [m for m in (e.get("MESSAGE", "") for e in
+                                               machine.entries("reducerd", start))
+                                   if "SIGHUP:" in m], 10, "the daemon's SIGHUP line")
+        assert machine.main_pid("reducerd") == pid
+        assert machine.show("reducerd", "ActiveState")["ActiveState"] == "active"
+        served = json.loads(machine.probe("status", "127.0.0.1:7000", new))["with"]
+        if any("token rotated" in m for m in logged):
+            assert served == "OK", logged
+        else:  # the credential was not refreshed: the token in use stays
+            assert any("nothing changed" in m for m in logged), logged
+            assert served == "UNAUTHENTICATED", logged
+        print(f"systemctl reload: {logged}; the new token: {served}")
+        answers = json.loads(machine.probe("status", "127.0.0.1:7000", old))
+        assert answers["with"] == "OK", answers  # the old one: in use, or in its grace
+    finally:
+        token_file.write_text(old + "\n")
 
 
 def test_stop_drains_and_the_warning_reaches_the_journal_as_one(machine):

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -276,3 +277,54 @@ def test_daemon_started_as_the_unit_does_notifies_ready_watchdog_stopping(tmp_pa
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def _exec_reload(unit) -> list[str]:
+    return next(shlex.split(line.removeprefix("ExecReload="))
+                for line in unit.read_text().splitlines() if line.startswith("ExecReload="))
+
+
+def test_reload_sends_sighup_and_the_daemon_started_as_the_unit_rotates_its_token(tmp_path):
+    """`systemctl reload` runs ExecReload= with $MAINPID: both units send
+    SIGHUP with the shell's kill (a minimal system has no /bin/kill). Run here as systemd
+    would, against the daemon started with the unit's ExecStart and a token
+    credential that changed: the new token is served at once, the old one
+    for token_grace, and the daemon keeps serving."""
+    for unit in ("reducerd.service", "reducerd@.service"):
+        assert _exec_reload(SYSTEMD / unit) == ["/bin/sh", "-c", 'kill -HUP "$MAINPID"'], unit
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "token").write_text("s3cret\n")
+    log_path = tmp_path / "reducerd.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(_unit_command(tmp_path), stdout=log_file,
+                                   stderr=subprocess.STDOUT,
+                                   env={**os.environ, "CREDENTIALS_DIRECTORY": str(credentials)})
+    try:
+        deadline = time.monotonic() + 30
+        while "listening on" not in log_path.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, log_path.read_text()
+            time.sleep(0.05)
+        port = re.search(r"listening on \S+:(\d+)", log_path.read_text()).group(1)
+        (credentials / "token").write_text("n3w-token\n")
+        # As systemd runs it: $MAINPID in the environment (and expanded in the line).
+        command = [arg.replace("$MAINPID", str(process.pid))
+                   for arg in _exec_reload(SYSTEMD / "reducerd.service")]
+        subprocess.run(command, check=True, timeout=10,
+                       env={**os.environ, "MAINPID": str(process.pid)})
+        deadline = time.monotonic() + 10
+        while "SIGHUP: token rotated" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ReducerStub(channel)
+            for token in ("n3w-token", "s3cret"):  # the old one within its grace
+                stub.GetStatus(pb.StatusRequest(), timeout=5,
+                               metadata=(("authorization", f"Bearer {token}"),))
+        assert process.poll() is None, log_path.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
