@@ -207,7 +207,7 @@ HOWTOS = sorted((DOCS / "howto").glob("*.md"))
 # Pages other engineers write; until they land, links to them are kept in
 # <!-- pending-link ... --> comments and their nav entries commented out.
 PENDING_PAGES = {"howto/port-from-horovod.md", "howto/torch-distributed.md",
-                 "reference/limits.md", "explanation/data-plane.md"}
+                 "explanation/data-plane.md"}
 # Pages whose blocks need another interpreter than this one: its bin/ first on PATH.
 PAGE_PYTHON = {"mxnet.md": ROOT / ".venv-mxnet" / "bin"}
 PAGE_TIMEOUT_S = {"keras.md": 120}  # two TensorFlow imports
