@@ -35,14 +35,27 @@ class ReducerOptions:
     wire_dtype: what all_reduce values travel as in this group: "float16",
     "bfloat16", "float32", "int8", "fp8_e4m3" or "fp8_e5m2"; None keeps the
     client's (REDUCER_WIRE_DTYPE, float16 by default).
+    error_feedback: on an 8-bit wire, a tensor all-reduced again (DDP's
+    buckets) carries what the wire dropped from its last contribution
+    (torch/_group_feedback.py); None: on for the 8-bit wires, False: off,
+    True: on (an error on any other wire).
     """
 
     wire_dtype: str | None = None
+    error_feedback: bool | None = None
 
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in dtypes.WIRE_DTYPES:
             raise ValueError(f"ReducerOptions(wire_dtype={self.wire_dtype!r}): one of "
                              f"{', '.join(dtypes.WIRE_DTYPES)}")
+        if self.error_feedback not in (None, True, False):
+            raise TypeError(f"ReducerOptions(error_feedback={self.error_feedback!r}): "
+                            "None, True or False")
+        if (self.error_feedback and self.wire_dtype is not None
+                and self.wire_dtype not in dtypes.EIGHT_BIT_DTYPES):
+            raise ValueError(f"ReducerOptions(error_feedback=True) on the {self.wire_dtype} "
+                             f"wire: error feedback is for the 8-bit wires "
+                             f"({', '.join(dtypes.EIGHT_BIT_DTYPES)})")
 
 
 _OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average}
@@ -211,6 +224,18 @@ def _made_for_cpu(store: dist.Store) -> bool:
         return True
     store.set("reducer/device", "1")
     return dist.PrefixStore("cpu/", below).check(["reducer/device"])
+
+
+def _check_list(tensors: Sequence[torch.Tensor], like: torch.Tensor, world_size: int,
+                what: str) -> None:
+    """A list argument of a collective: one tensor per rank, each of like's size."""
+    if len(tensors) != world_size:
+        raise ValueError(f"{what} has {len(tensors)} tensors, the group has "
+                         f"{world_size} ranks")
+    for t in tensors:
+        if t.numel() != like.numel():
+            raise ValueError(f"{what}: a tensor of {t.numel()} elements where this "
+                             f"rank's has {like.numel()}")
 
 
 def _timeout_s(timeout: timedelta | None) -> float | None:

@@ -13,12 +13,12 @@ so a shape, dtype, op or root that differs fails every rank at once with a
 message naming the ranks; async_op=True gives a Work whose wait(),
 is_completed() and get_future() behave as Gloo's.
 
-What each collective does (docs/torch-distributed.md has the whole table):
-all_reduce SUM and AVG through the daemons on the group's wire dtype (exact
-SUM for integer and bool tensors); broadcast, the gathers and scatter exact;
-reduce_scatter and reduce as a whole allreduce; barrier and the object
-collectives through these; MIN, MAX, PRODUCT, the bitwise ops and PREMUL_SUM
-refused (UnsupportedOpError), send, recv and all_to_all too (use Gloo).
+What each collective does (docs/howto/torch-distributed.md has the table):
+all_reduce SUM and AVG through the daemons on the group's wire dtype (error
+feedback on the 8-bit wires: _group_feedback.py), exact SUM for integers and
+bool; broadcast, the gathers and scatter exact; reduce_scatter and reduce as
+a whole allreduce; barrier and the object collectives through these; MIN,
+MAX, PRODUCT, the bitwise ops, PREMUL_SUM, send, recv, all_to_all refused.
 
 The client: the default group's is the process-wide one of
 reducer_client.torch.init() (it builds one from the environment, env.py:
@@ -51,11 +51,13 @@ from reducer_client.api import Reducer
 from reducer_client.compression import wire_dtype_of
 from reducer_client.horovod import Sum
 from reducer_client.torch._basics import basics
+from reducer_client.torch._group_feedback import group_feedback
 from reducer_client.torch._group_parts import (
     _GLOO_INSTEAD,
     ReducerOptions,
     ReducerWork,
     _AllOf,
+    _check_list,
     _default_client,
     _GroupKeys,
     _made_for_cpu,
@@ -101,6 +103,8 @@ class ReducerProcessGroup(dist.ProcessGroup):
         self.reducer: Reducer = client if default else _GroupKeys(
             client, f"pg/{group_name}/", rank, world_size)
         self.timeout_s = self.reducer.timeout
+        # 8-bit wires: a tensor reduced again carries its last rounding (_group_feedback).
+        self.feedback = group_feedback(self.reducer, self.wire, self.options.error_feedback)
         self._cpu: Any = None
         if not _made_for_cpu(store):
             self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("reducer/gloo/", store),
@@ -135,6 +139,8 @@ class ReducerProcessGroup(dist.ProcessGroup):
         exact = [t for t in tensors if not t.is_floating_point()]
         handles = []
         if len(floats) == 1:
+            if self.feedback is not None:
+                self.feedback.compensate(floats[0])
             handles.append(allreduce_async_(floats[0], op=op, compression=self.wire,
                                             reducer=self.reducer))
         elif floats:
@@ -372,13 +378,7 @@ class ReducerProcessGroup(dist.ProcessGroup):
 
     def _check_list(self, tensors: Sequence[torch.Tensor], like: torch.Tensor,
                     what: str) -> None:
-        if len(tensors) != self.size():
-            raise ValueError(f"{what} has {len(tensors)} tensors, the group has "
-                             f"{self.size()} ranks")
-        for t in tensors:
-            if t.numel() != like.numel():
-                raise ValueError(f"{what}: a tensor of {t.numel()} elements where this "
-                                 f"rank's has {like.numel()}")
+        _check_list(tensors, like, self.size(), what)
 
 
 def _create(backend_options: Any, pg_options: Any) -> ReducerProcessGroup:
