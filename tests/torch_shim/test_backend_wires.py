@@ -17,7 +17,9 @@ reference of every round is 2x. Per wire, element by element:
 - without it (error_feedback=False) the same rounding of x repeats ROUNDS
   times, beyond that bound: the feedback is what keeps the sum.
 A tensor's residual goes with the tensor (the group holds none once it is
-freed), and error_feedback=True on a 16-bit wire is refused. The workers
+freed); DDP with no hook on such a group keeps one residual per bucket
+buffer across its steps (two buffers in all: DDP rebuilds its bucket
+after the first step), and error_feedback=True on a 16-bit wire is refused. The workers
 share a host but aggregate no node-local sum (REDUCER_NODE_LOCAL=0): under
 node-local aggregation the node's slice senders round, and the group leaves
 feedback off (torch/_group_feedback.py).
@@ -37,12 +39,14 @@ dist = pytest.importorskip("torch.distributed")
 from backend_workers import init_worker, torchrun_env  # noqa: E402
 from support import run_workers  # noqa: E402
 from test_quant_wire import FP8, U32, _block_max, make_inputs, wire_bound  # noqa: E402
+from torch_shim_models import batch, loss_of, make_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 WIRES = ("int8", "fp8_e4m3", "fp8_e5m2")
 ROUNDS = 8
 NUMEL = 3001  # not a whole number of int8 blocks
+DDP_STEPS = 5
 
 
 def contribution(wire: str) -> np.ndarray:
@@ -62,6 +66,7 @@ def rounding_and_slope(x: np.ndarray, wire: str) -> tuple[np.ndarray, float]:
 def wires_worker(rank: int, world: int, env: dict[str, str]) -> dict:
     init_worker(rank, world, env)
     from reducer_client.torch.backend import ReducerOptions
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("reducer", timeout=datetime.timedelta(seconds=30))
     out: dict = {}
@@ -85,6 +90,15 @@ def wires_worker(rank: int, world: int, env: dict[str, str]) -> dict:
                 gc.collect()
                 out[wire, feedback, "held"] = (
                     held, len(group.feedback) if group.feedback is not None else None)
+        group = dist.new_group(backend="reducer", pg_options=ReducerOptions("int8"))
+        model = DDP(make_model("mlp"), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(DDP_STEPS):
+            x, y = batch("mlp", step, rank)
+            opt.zero_grad()
+            loss_of("mlp", model(x), y).backward()
+            opt.step()
+        out["ddp"] = (len(group.feedback), group.feedback.tensors_seen)
         try:
             ReducerOptions("bfloat16", error_feedback=True)
         except ValueError as exc:
@@ -103,6 +117,7 @@ def test_8bit_group_wires_with_error_feedback_against_float64(daemons):
                               timeout=200)
     for rank, out in enumerate(results):
         assert "8-bit wires" in out["refused"] and "bfloat16" in out["refused"]
+        assert out["ddp"] == (1, 2)  # the live bucket's residual; first and rebuilt buffers
         for wire in WIRES:
             x = contribution(wire)
             reference = world * x.astype(np.float64)

@@ -19,7 +19,6 @@ round, not this worker, so the group leaves feedback off there.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 
@@ -43,7 +42,7 @@ class GroupFeedback:
         # thread, DDP's autograd threads).
         self._lock = threading.Lock()
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._next = itertools.count()
+        self.tensors_seen = 0  # how many tensors have had a residual, ever
 
     def compensate(self, tensor: torch.Tensor) -> None:
         """Add the tensor's residual to it, in place, and keep what the wire
@@ -54,7 +53,8 @@ class GroupFeedback:
         with self._lock:
             key = self._keys.get(tensor)
             if key is None:
-                key = self._keys[tensor] = f"tensor/{next(self._next)}"
+                key = self._keys[tensor] = f"tensor/{self.tensors_seen}"
+                self.tensors_seen += 1
                 weakref.finalize(tensor, self._feedback.forget, key)
         self._feedback.apply(key, view.reshape(-1))
 
