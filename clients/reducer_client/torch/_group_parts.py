@@ -68,6 +68,11 @@ _GLOO_INSTEAD = ("use a Gloo group for it: dist.new_group(backend=\"gloo\"), or 
 _WAIT_ROUNDS, _WAIT_SLACK_S = 3, 10.0
 
 
+def _refuse(what: str) -> None:
+    raise NotImplementedError(f"the reducer backend has no {what}: reducerd's daemons "
+                              f"sum and carry no point-to-point traffic; {_GLOO_INSTEAD}")
+
+
 def _op_name(op: Any) -> str:
     """"sum" or "mean" for torch's ReduceOp; UnsupportedOpError for the others."""
     op = getattr(op, "op", op)  # a ReduceOp instance or its RedOpType

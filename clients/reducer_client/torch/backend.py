@@ -62,6 +62,7 @@ from reducer_client.torch._group_parts import (
     _GroupKeys,
     _made_for_cpu,
     _op_name,
+    _refuse,
     _timeout_s,
 )
 from reducer_client.torch.broadcasts import allgather_async, barrier_async, broadcast_async_
@@ -135,8 +136,10 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if gloo is not None:
             return gloo.allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        floats = [t for t in tensors if t.is_floating_point()]
-        exact = [t for t in tensors if not t.is_floating_point()]
+        # Complex: its real and imaginary parts, in place (torch.view_as_real).
+        floats = [torch.view_as_real(t) if t.is_complex() else t for t in tensors
+                  if t.is_floating_point() or t.is_complex()]
+        exact = [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
         handles = []
         if len(floats) == 1:
             if self.feedback is not None:
@@ -232,8 +235,8 @@ class ReducerProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        works = [self.allgather([outs], [tensor], opts)
-                 for outs, tensor in zip(output_lists, inputs, strict=True)]
+        works = [self.allgather([[rank_outs[i] for rank_outs in output_lists]], [tensor], opts)
+                 for i, tensor in enumerate(inputs)]  # output_lists[rank][input]
         return _AllOf(works, [t for outs in output_lists for t in outs])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -325,34 +328,30 @@ class ReducerProcessGroup(dist.ProcessGroup):
 
     # -- refused ---------------------------------------------------------------
 
-    def _refuse(self, what: str) -> None:
-        raise NotImplementedError(f"the reducer backend has no {what}: reducerd's daemons "
-                                  f"sum and carry no point-to-point traffic; {_GLOO_INSTEAD}")
-
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         gloo = self._gloo(tensors)
         if gloo is not None:
             return gloo.send(tensors, dst, tag)
-        self._refuse("send")
+        _refuse("send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         gloo = self._gloo(tensors)
         if gloo is not None:
             return gloo.recv(tensors, src, tag)
-        self._refuse("recv")
+        _refuse("recv")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         gloo = self._gloo(tensors)
         if gloo is not None:
             return gloo.recv_anysource(tensors, tag)
-        self._refuse("recv from any source")
+        _refuse("recv from any source")
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         gloo = self._gloo([*outputs, *inputs])
         if gloo is not None:
             return gloo.alltoall(outputs, inputs, opts)
-        self._refuse("all_to_all")
+        _refuse("all_to_all")
 
     def alltoall_base(self, output: torch.Tensor, tensor: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
@@ -361,7 +360,7 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if gloo is not None:
             return gloo.alltoall_base(output, tensor, output_split_sizes, input_split_sizes,
                                       opts)
-        self._refuse("all_to_all_single")
+        _refuse("all_to_all_single")
 
     all_to_all_single = alltoall_base
 
