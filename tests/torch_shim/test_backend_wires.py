@@ -133,3 +133,27 @@ def test_8bit_group_wires_with_error_feedback_against_float64(daemons):
             assert plain > 1.0, (wire, plain)  # without it the rounding adds up
             assert out[wire, None, "held"] == (1, 0)  # one live tensor; none once freed
             assert out[wire, False, "held"] == (None, None)
+
+
+def test_error_feedback_options_are_checked():
+    """ReducerOptions and the group's choice, without daemons: a fake client
+    stands for one with node-local aggregation (its node group set)."""
+    from types import SimpleNamespace
+
+    from reducer_client.torch._group_feedback import group_feedback
+    from reducer_client.torch.backend import ReducerOptions
+
+    with pytest.raises(ValueError, match="8-bit wires"):
+        ReducerOptions("float16", error_feedback=True)
+    with pytest.raises(TypeError, match="None, True or False"):
+        ReducerOptions("int8", error_feedback="yes")
+    alone = SimpleNamespace(wire_dtype="float16", _node=None)
+    assert group_feedback(alone, "int8", None).wire_dtype == "int8"
+    assert group_feedback(alone, "int8", False) is None
+    assert group_feedback(alone, None, None) is None  # the client's float16 wire
+    with pytest.raises(ValueError, match="8-bit wires"):
+        group_feedback(alone, None, True)
+    on_a_node = SimpleNamespace(wire_dtype="int8", _node=object())
+    assert group_feedback(on_a_node, None, None) is None
+    with pytest.raises(ValueError, match="node-local aggregation"):
+        group_feedback(on_a_node, "int8", True)
