@@ -16,7 +16,9 @@ reference of every round is 2x. Per wire, element by element:
   scale (2^-23 relative: the ROUNDS x 4 U32 term);
 - without it (error_feedback=False) the same rounding of x repeats ROUNDS
   times, beyond that bound: the feedback is what keeps the sum.
-A tensor's residual goes with the tensor (the group holds none once it is
+The same holds for a bfloat16 tensor, which goes through a float32 host
+copy (plus the rounding of each result to bfloat16, u = 2^-8). A tensor's residual
+goes with the tensor (the group holds none once it is
 freed); DDP with no hook on such a group keeps one residual per bucket
 buffer across its steps (two buffers in all: DDP rebuilds its bucket
 after the first step), and error_feedback=True on a 16-bit wire is refused. The workers
@@ -72,24 +74,26 @@ def wires_worker(rank: int, world: int, env: dict[str, str]) -> dict:
     out: dict = {}
     try:
         for wire in WIRES:
-            x = torch.from_numpy(contribution(wire))
-            for feedback in (None, False):
-                group = dist.new_group(backend="reducer",
-                                       pg_options=ReducerOptions(wire, feedback))
-                bucket = torch.empty_like(x)  # reduced again and again, as DDP's buckets
-                total = np.zeros(NUMEL)
-                for step in range(ROUNDS):
-                    bucket.copy_(x)
-                    dist.all_reduce(bucket, group=group)
-                    if step == 0:
-                        out[wire, feedback, "first"] = bucket.numpy().copy()
-                    total += bucket.numpy()
-                out[wire, feedback] = total
-                held = len(group.feedback) if group.feedback is not None else None
-                del bucket
-                gc.collect()
-                out[wire, feedback, "held"] = (
-                    held, len(group.feedback) if group.feedback is not None else None)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.from_numpy(contribution(wire)).to(dtype)
+                for feedback in (None, False):
+                    group = dist.new_group(backend="reducer",
+                                           pg_options=ReducerOptions(wire, feedback))
+                    bucket = torch.empty_like(x)  # reduced again and again, as DDP's buckets
+                    total = np.zeros(NUMEL)
+                    for step in range(ROUNDS):
+                        bucket.copy_(x)
+                        dist.all_reduce(bucket, group=group)
+                        got = bucket.double().numpy()
+                        if step == 0:
+                            out[wire, dtype, feedback, "first"] = got
+                        total += got
+                    out[wire, dtype, feedback] = total
+                    held = len(group.feedback) if group.feedback is not None else None
+                    del bucket
+                    gc.collect()
+                    out[wire, dtype, feedback, "held"] = (
+                        held, len(group.feedback) if group.feedback is not None else None)
         group = dist.new_group(backend="reducer", pg_options=ReducerOptions("int8"))
         model = DDP(make_model("mlp"), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -119,20 +123,29 @@ def test_8bit_group_wires_with_error_feedback_against_float64(daemons):
         assert "8-bit wires" in out["refused"] and "bfloat16" in out["refused"]
         assert out["ddp"] == (1, 2)  # the live bucket's residual; first and rebuilt buffers
         for wire in WIRES:
-            x = contribution(wire)
-            reference = world * x.astype(np.float64)
-            first = out[wire, None, "first"]
-            assert np.all(np.abs(first - reference) <= wire_bound([x] * world, wire, "sum"))
-            rho, slope = rounding_and_slope(x, wire)
-            bound = world * rho / (1 - slope) + ROUNDS * (4 * U32 + 2.0 ** -53) * np.abs(reference)
-            fed = np.max(np.abs(out[wire, None] - ROUNDS * reference) / bound)
-            plain = np.max(np.abs(out[wire, False] - ROUNDS * reference) / bound)
-            print(f"rank {rank} {wire}: |sum of {ROUNDS} rounds - float64| / bound: "
-                  f"with feedback {fed:.3f}, without {plain:.3f}")
-            assert fed <= 1.0, (wire, fed)
-            assert plain > 1.0, (wire, plain)  # without it the rounding adds up
-            assert out[wire, None, "held"] == (1, 0)  # one live tensor; none once freed
-            assert out[wire, False, "held"] == (None, None)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.from_numpy(contribution(wire)).to(dtype).double().numpy()
+                reference = world * x
+                first = out[wire, dtype, None, "first"]
+                rho, slope = rounding_and_slope(x, wire)
+                residual = world * rho / (1 - slope)
+                # bfloat16: each round's result rounded to it (u = 2^-8 relative), of
+                # at most |reference| + 2 residuals.
+                result = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
+                once = wire_bound([x.astype(np.float32)] * world, wire, "sum")
+                assert np.all(np.abs(first - reference)
+                              <= once + result * (np.abs(reference) + once))
+                bound = residual + ROUNDS * ((4 * U32 + 2.0 ** -53) * np.abs(reference)
+                                             + result * (np.abs(reference) + 2 * residual))
+                fed = np.max(np.abs(out[wire, dtype, None] - ROUNDS * reference) / bound)
+                plain = np.max(np.abs(out[wire, dtype, False] - ROUNDS * reference) / bound)
+                print(f"rank {rank} {wire} {dtype}: |sum of {ROUNDS} rounds - float64| / "
+                      f"bound: with feedback {fed:.3f}, without {plain:.3f}")
+                assert fed <= 1.0, (wire, dtype, fed)
+                assert plain > 1.0, (wire, dtype, plain)  # without it the rounding adds up
+                # one live tensor; none once freed
+                assert out[wire, dtype, None, "held"] == (1, 0)
+                assert out[wire, dtype, False, "held"] == (None, None)
 
 
 def test_error_feedback_options_are_checked():

@@ -8,19 +8,19 @@ DDP hook and the DistributedOptimizer do it). A tensor's first all_reduce
 goes out as it is. A residual lives as long as its tensor (weakly keyed:
 when DDP rebuilds its buckets after the first step, the old buffers' residuals
 go with them), so the memory is one float32 copy of each live tensor
-reduced on the wire.
-
-Only what the shim reduces in place from the tensor's own memory is fed
-back: a contiguous CPU float16, float32 or float64 tensor, alone in its
-all_reduce. bfloat16 and CUDA tensors, and several tensors in one call, go
-out without it. Under node-local aggregation the node's slice senders
-round, not this worker, so the group leaves feedback off there.
+reduced on the wire, and for a tensor the shim cannot reduce in its own
+memory (bfloat16, CUDA, not contiguous) one float32 host copy more, which
+is what goes on the wire and is copied back. Several tensors in one call
+(grouped into one flat float32 array) go out without feedback. Under
+node-local aggregation the node's slice senders round, not this worker, so
+the group leaves feedback off there.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -32,36 +32,54 @@ from reducer_client.torch._tensors import numpy_view
 __all__ = ["GroupFeedback", "group_feedback"]
 
 
+@dataclass
+class _Entry:
+    key: str  # the residual's key in the ErrorFeedback
+    host: torch.Tensor | None = None  # the float32 host copy, for a tensor staged through one
+
+
 class GroupFeedback:
     """Residuals per tensor for one process group's wire dtype."""
 
     def __init__(self, wire_dtype: str) -> None:
         self.wire_dtype = wire_dtype
         self._feedback = ErrorFeedback(wire_dtype)
-        # _lock guards _keys; taken by whoever calls all_reduce (the training
+        # _lock guards _tensors and tensors_seen; taken by whoever calls all_reduce (the training
         # thread, DDP's autograd threads).
         self._lock = threading.Lock()
-        self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Entry
         self.tensors_seen = 0  # how many tensors have had a residual, ever
 
-    def compensate(self, tensor: torch.Tensor) -> None:
-        """Add the tensor's residual to it, in place, and keep what the wire
-        will drop from it now (nothing for a tensor outside the module doc's)."""
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor to send in tensor's place, with its residual added; the
+        residual of what the wire will drop from it now is kept.
+
+        `tensor` itself (changed in place) where the shim reduces in its own
+        memory: a contiguous CPU float16 / float32 / float64 tensor. Otherwise
+        (bfloat16, CUDA, not contiguous) a float32 host copy, kept per tensor,
+        which the caller reduces and copies back into the tensor.
+        """
         view = numpy_view(tensor)
-        if view is None:
-            return
         with self._lock:
-            key = self._keys.get(tensor)
-            if key is None:
-                key = self._keys[tensor] = f"tensor/{self.tensors_seen}"
+            entry = self._tensors.get(tensor)
+            if entry is None:
+                entry = self._tensors[tensor] = _Entry(f"tensor/{self.tensors_seen}")
                 self.tensors_seen += 1
-                weakref.finalize(tensor, self._feedback.forget, key)
-        self._feedback.apply(key, view.reshape(-1))
+                weakref.finalize(tensor, self._feedback.forget, entry.key)
+        host = None
+        if view is None:
+            if entry.host is None or entry.host.numel() != tensor.numel():
+                entry.host = torch.empty(tensor.numel(), dtype=torch.float32)
+            host = entry.host
+            host.copy_(tensor.detach().reshape(-1))
+            view = host.numpy()
+        self._feedback.apply(entry.key, view.reshape(-1))
+        return tensor if host is None else host
 
     def __len__(self) -> int:
         """How many tensors have a residual now."""
         with self._lock:
-            return len(self._keys)
+            return len(self._tensors)
 
 
 def group_feedback(reducer: Reducer, wire_dtype: str | None,

@@ -68,6 +68,25 @@ _GLOO_INSTEAD = ("use a Gloo group for it: dist.new_group(backend=\"gloo\"), or 
 _WAIT_ROUNDS, _WAIT_SLACK_S = 3, 10.0
 
 
+def _split_exact(tensors: Sequence[torch.Tensor],
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """all_reduce's tensors: those summed on the wire (floating point, and
+    complex as its real and imaginary parts, in place: torch.view_as_real),
+    and those summed exactly (integers and bool)."""
+    wire = [torch.view_as_real(t) if t.is_complex() else t for t in tensors
+            if t.is_floating_point() or t.is_complex()]
+    return wire, [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
+
+
+def _sum_exactly(tensors: Sequence[torch.Tensor], gathered: Sequence[torch.Tensor]) -> None:
+    """Write into each integer or bool tensor the sum of its gathered rows (one
+    per rank), in int64 (bool: any), as Gloo sums them."""
+    with torch.no_grad():
+        for tensor, rows in zip(tensors, gathered, strict=True):
+            total = rows.any(0) if tensor.dtype == torch.bool else rows.to(torch.int64).sum(0)
+            tensor.copy_(total.reshape(tensor.shape).to(tensor.dtype))
+
+
 def _refuse(what: str) -> None:
     raise NotImplementedError(f"the reducer backend has no {what}: reducerd's daemons "
                               f"sum and carry no point-to-point traffic; {_GLOO_INSTEAD}")

@@ -63,6 +63,8 @@ from reducer_client.torch._group_parts import (
     _made_for_cpu,
     _op_name,
     _refuse,
+    _split_exact,
+    _sum_exactly,
     _timeout_s,
 )
 from reducer_client.torch.broadcasts import allgather_async, barrier_async, broadcast_async_
@@ -136,33 +138,29 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if gloo is not None:
             return gloo.allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        # Complex: its real and imaginary parts, in place (torch.view_as_real).
-        floats = [torch.view_as_real(t) if t.is_complex() else t for t in tensors
-                  if t.is_floating_point() or t.is_complex()]
-        exact = [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
-        handles = []
+        floats, exact = _split_exact(tensors)
+        if exact and op != Sum:
+            raise TypeError(f"all_reduce of {exact[0].dtype}: ReduceOp.AVG needs a "
+                            "floating-point tensor (integers and bool take ReduceOp.SUM)")
+        handles, staged = [], []
         if len(floats) == 1:
-            if self.feedback is not None:
-                self.feedback.compensate(floats[0])
-            handles.append(allreduce_async_(floats[0], op=op, compression=self.wire,
+            sent = self.feedback.stage(floats[0]) if self.feedback is not None else floats[0]
+            if sent is not floats[0]:  # a host copy with the residual: copied back after
+                staged.append((floats[0], sent))
+            handles.append(allreduce_async_(sent, op=op, compression=self.wire,
                                             reducer=self.reducer))
         elif floats:
             handles.append(grouped_allreduce_async_(floats, op=op, compression=self.wire,
                                                     reducer=self.reducer))
-        if exact and op != Sum:
-            raise TypeError(f"all_reduce of {exact[0].dtype}: ReduceOp.AVG needs a "
-                            "floating-point tensor (integers and bool take ReduceOp.SUM)")
         gathered = [allgather_async(t.reshape(1, -1), reducer=self.reducer) for t in exact]
 
-        def add_exactly(results: list[Any]) -> None:
-            # Integers and bool: every rank's values gathered, summed here in
-            # int64 (bool: any), as Gloo sums them.
+        def finish(results: list[Any]) -> None:
             with torch.no_grad():
-                for tensor, rows in zip(exact, results[len(handles):], strict=True):
-                    total = (rows.any(0) if tensor.dtype == torch.bool
-                             else rows.to(torch.int64).sum(0))
-                    tensor.copy_(total.reshape(tensor.shape).to(tensor.dtype))
-        return self._work(handles + gathered, list(tensors), add_exactly if exact else None)
+                for tensor, host in staged:
+                    tensor.copy_(host.reshape(tensor.shape))
+            _sum_exactly(exact, results[len(handles):])
+        return self._work(handles + gathered, list(tensors),
+                          finish if exact or staged else None)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
