@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -65,6 +66,19 @@ def rounding_and_slope(x: np.ndarray, wire: str) -> tuple[np.ndarray, float]:
     return u * wide + a / 2, u
 
 
+def _held_once_freed(group, within_s: float = 5.0) -> int | None:
+    """How many residuals the group holds once the tensors are freed: the
+    thread that settled the last all_reduce may still hold its output a moment."""
+    if group.feedback is None:
+        return None
+    deadline = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        if len(group.feedback) == 0 or time.monotonic() > deadline:
+            return len(group.feedback)
+        time.sleep(0.05)
+
+
 def wires_worker(rank: int, world: int, env: dict[str, str]) -> dict:
     init_worker(rank, world, env)
     from reducer_client.torch.backend import ReducerOptions
@@ -91,9 +105,7 @@ def wires_worker(rank: int, world: int, env: dict[str, str]) -> dict:
                     out[wire, dtype, feedback] = total
                     held = len(group.feedback) if group.feedback is not None else None
                     del bucket
-                    gc.collect()
-                    out[wire, dtype, feedback, "held"] = (
-                        held, len(group.feedback) if group.feedback is not None else None)
+                    out[wire, dtype, feedback, "held"] = (held, _held_once_freed(group))
         group = dist.new_group(backend="reducer", pg_options=ReducerOptions("int8"))
         model = DDP(make_model("mlp"), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -155,8 +155,10 @@ class ReducerWork(dist.Work):
                 self._then(results)
             except BaseException as exc:  # noqa: BLE001
                 self._error = exc
-        self._done.set()
-        self._settled.set_result(self._outputs)
+        try:  # the future first: once wait() returns, get_future() is done too
+            self._settled.set_result(self._outputs)
+        finally:
+            self._done.set()
 
     def _value_or_raise(self, done: torch.futures.Future) -> list[torch.Tensor]:
         if self._error is not None:
