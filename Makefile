@@ -35,7 +35,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e ".[torch,tensorflow,bench,dev,docs]"
+	$(VENV)/bin/pip install --quiet -e ".[torch,tensorflow,frameworks,bench,dev,docs]"
 	touch $@
 
 $(STAMP_MX): pyproject.toml

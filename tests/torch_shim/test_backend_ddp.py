@@ -8,7 +8,13 @@ full batch's mean loss is the mean of the halves' mean losses, so its
 gradient is the average DDP computes. The parameters must agree within
 test_torch_ddp.tolerance: the float16 / bfloat16 rounding of every rank's
 contribution and of the mean, STEPS times, from the largest gradient any
-rank had (1e-5 for the float32 wire, which only reorders the sum).
+rank had (1e-5 for the float32 wire, which only reorders the sum). The
+8-bit wires take the same form with their rounding (test_quant_wire's
+bound): for int8 half a step of a 128-block, at most G / 254 for every
+rank's pre-divided contribution together and again for the mean; for FP8
+the relative u of the format on each and half its smallest subnormal a
+per rounding (world + 1 of them). The two workers share a host, so the
+node's sum is what is rounded (node-local aggregation): no error feedback.
 """
 
 from __future__ import annotations
@@ -24,12 +30,25 @@ dist = pytest.importorskip("torch.distributed")
 
 from backend_workers import init_worker, torchrun_env  # noqa: E402
 from support import run_workers  # noqa: E402
+from test_quant_wire import FP8  # noqa: E402
 from test_torch_ddp import LR, STEPS, tolerance  # noqa: E402
 from torch_shim_models import batch, loss_of, make_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
-WIRES = ("float16", "bfloat16", "float32")
+WIRES = ("float16", "bfloat16", "float32", "int8", "fp8_e4m3")
+
+
+def wire_tolerance(wire: str, max_grad: float, world: int) -> float:
+    """test_torch_ddp.tolerance, with the 8-bit wires' rounding (module doc)."""
+    if wire == "int8":
+        per_step = 2 * max_grad / 254 * (1 + 2.0 ** -14)
+    elif wire in FP8:
+        u, a, _ = FP8[wire]
+        per_step = 2 * u * max_grad + (world + 1) * a / 2
+    else:
+        return tolerance(wire, max_grad)
+    return 2 * STEPS * LR * per_step
 
 
 def ddp_worker(rank: int, world: int, env: dict[str, str]) -> dict:
@@ -98,10 +117,10 @@ def test_ddp_without_a_hook_matches_one_process_on_the_full_batch(daemons):
         assert sum(results[0][wire]["allreduced"]) == STEPS * numel, wire
         diff = max(float(np.abs(a - b).max())
                    for a, b in zip(results[0][wire]["params"], reference, strict=True))
-        tol = tolerance(wire, max_grad)
+        tol = wire_tolerance(wire, max_grad, world)
         print(f"{wire}: max |param - full-batch float64| = {diff:.2e} (tolerance {tol:.2e})")
         assert diff <= tol, (wire, diff, tol)
     # The lossy wires really were used: their parameters differ from float32's.
-    for wire in ("float16", "bfloat16"):
+    for wire in ("float16", "bfloat16", "int8", "fp8_e4m3"):
         assert any(not np.array_equal(a, b) for a, b in
                    zip(results[0][wire]["params"], results[0]["float32"]["params"], strict=True))

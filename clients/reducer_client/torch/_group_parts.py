@@ -35,14 +35,27 @@ class ReducerOptions:
     wire_dtype: what all_reduce values travel as in this group: "float16",
     "bfloat16", "float32", "int8", "fp8_e4m3" or "fp8_e5m2"; None keeps the
     client's (REDUCER_WIRE_DTYPE, float16 by default).
+    error_feedback: on an 8-bit wire, a tensor all-reduced again (DDP's
+    buckets) carries what the wire dropped from its last contribution
+    (torch/_group_feedback.py); None: on for the 8-bit wires, False: off,
+    True: on (an error on any other wire).
     """
 
     wire_dtype: str | None = None
+    error_feedback: bool | None = None
 
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in dtypes.WIRE_DTYPES:
             raise ValueError(f"ReducerOptions(wire_dtype={self.wire_dtype!r}): one of "
                              f"{', '.join(dtypes.WIRE_DTYPES)}")
+        if self.error_feedback not in (None, True, False):
+            raise TypeError(f"ReducerOptions(error_feedback={self.error_feedback!r}): "
+                            "None, True or False")
+        if (self.error_feedback and self.wire_dtype is not None
+                and self.wire_dtype not in dtypes.EIGHT_BIT_DTYPES):
+            raise ValueError(f"ReducerOptions(error_feedback=True) on the {self.wire_dtype} "
+                             f"wire: error feedback is for the 8-bit wires "
+                             f"({', '.join(dtypes.EIGHT_BIT_DTYPES)})")
 
 
 _OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average}
@@ -53,6 +66,30 @@ _GLOO_INSTEAD = ("use a Gloo group for it: dist.new_group(backend=\"gloo\"), or 
 # itself: the client fails every operation within its timeout (a control round
 # and a data round, one after the other for a gather), this only catches a bug.
 _WAIT_ROUNDS, _WAIT_SLACK_S = 3, 10.0
+
+
+def _split_exact(tensors: Sequence[torch.Tensor],
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """all_reduce's tensors: those summed on the wire (floating point, and
+    complex as its real and imaginary parts, in place: torch.view_as_real),
+    and those summed exactly (integers and bool)."""
+    wire = [torch.view_as_real(t) if t.is_complex() else t for t in tensors
+            if t.is_floating_point() or t.is_complex()]
+    return wire, [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
+
+
+def _sum_exactly(tensors: Sequence[torch.Tensor], gathered: Sequence[torch.Tensor]) -> None:
+    """Write into each integer or bool tensor the sum of its gathered rows (one
+    per rank), in int64 (bool: any), as Gloo sums them."""
+    with torch.no_grad():
+        for tensor, rows in zip(tensors, gathered, strict=True):
+            total = rows.any(0) if tensor.dtype == torch.bool else rows.to(torch.int64).sum(0)
+            tensor.copy_(total.reshape(tensor.shape).to(tensor.dtype))
+
+
+def _refuse(what: str) -> None:
+    raise NotImplementedError(f"the reducer backend has no {what}: reducerd's daemons "
+                              f"sum and carry no point-to-point traffic; {_GLOO_INSTEAD}")
 
 
 def _op_name(op: Any) -> str:
@@ -118,8 +155,10 @@ class ReducerWork(dist.Work):
                 self._then(results)
             except BaseException as exc:  # noqa: BLE001
                 self._error = exc
-        self._done.set()
-        self._settled.set_result(self._outputs)
+        try:  # the future first: once wait() returns, get_future() is done too
+            self._settled.set_result(self._outputs)
+        finally:
+            self._done.set()
 
     def _value_or_raise(self, done: torch.futures.Future) -> list[torch.Tensor]:
         if self._error is not None:
@@ -211,6 +250,18 @@ def _made_for_cpu(store: dist.Store) -> bool:
         return True
     store.set("reducer/device", "1")
     return dist.PrefixStore("cpu/", below).check(["reducer/device"])
+
+
+def _check_list(tensors: Sequence[torch.Tensor], like: torch.Tensor, world_size: int,
+                what: str) -> None:
+    """A list argument of a collective: one tensor per rank, each of like's size."""
+    if len(tensors) != world_size:
+        raise ValueError(f"{what} has {len(tensors)} tensors, the group has "
+                         f"{world_size} ranks")
+    for t in tensors:
+        if t.numel() != like.numel():
+            raise ValueError(f"{what}: a tensor of {t.numel()} elements where this "
+                             f"rank's has {like.numel()}")
 
 
 def _timeout_s(timeout: timedelta | None) -> float | None:

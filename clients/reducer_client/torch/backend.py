@@ -13,12 +13,12 @@ so a shape, dtype, op or root that differs fails every rank at once with a
 message naming the ranks; async_op=True gives a Work whose wait(),
 is_completed() and get_future() behave as Gloo's.
 
-What each collective does (docs/torch-distributed.md has the whole table):
-all_reduce SUM and AVG through the daemons on the group's wire dtype (exact
-SUM for integer and bool tensors); broadcast, the gathers and scatter exact;
-reduce_scatter and reduce as a whole allreduce; barrier and the object
-collectives through these; MIN, MAX, PRODUCT, the bitwise ops and PREMUL_SUM
-refused (UnsupportedOpError), send, recv and all_to_all too (use Gloo).
+What each collective does (docs/howto/torch-distributed.md has the table):
+all_reduce SUM and AVG through the daemons on the group's wire dtype (error
+feedback on the 8-bit wires: _group_feedback.py), exact SUM for integers and
+bool; broadcast, the gathers and scatter exact; reduce_scatter and reduce as
+a whole allreduce; barrier and the object collectives through these; MIN,
+MAX, PRODUCT, the bitwise ops, PREMUL_SUM, send, recv, all_to_all refused.
 
 The client: the default group's is the process-wide one of
 reducer_client.torch.init() (it builds one from the environment, env.py:
@@ -51,15 +51,20 @@ from reducer_client.api import Reducer
 from reducer_client.compression import wire_dtype_of
 from reducer_client.horovod import Sum
 from reducer_client.torch._basics import basics
+from reducer_client.torch._group_feedback import group_feedback
 from reducer_client.torch._group_parts import (
     _GLOO_INSTEAD,
     ReducerOptions,
     ReducerWork,
     _AllOf,
+    _check_list,
     _default_client,
     _GroupKeys,
     _made_for_cpu,
     _op_name,
+    _refuse,
+    _split_exact,
+    _sum_exactly,
     _timeout_s,
 )
 from reducer_client.torch.broadcasts import allgather_async, barrier_async, broadcast_async_
@@ -101,6 +106,8 @@ class ReducerProcessGroup(dist.ProcessGroup):
         self.reducer: Reducer = client if default else _GroupKeys(
             client, f"pg/{group_name}/", rank, world_size)
         self.timeout_s = self.reducer.timeout
+        # 8-bit wires: a tensor reduced again carries its last rounding (_group_feedback).
+        self.feedback = group_feedback(self.reducer, self.wire, self.options.error_feedback)
         self._cpu: Any = None
         if not _made_for_cpu(store):
             self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("reducer/gloo/", store),
@@ -131,29 +138,29 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if gloo is not None:
             return gloo.allreduce(tensors, opts)
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        floats = [t for t in tensors if t.is_floating_point()]
-        exact = [t for t in tensors if not t.is_floating_point()]
-        handles = []
+        floats, exact = _split_exact(tensors)
+        if exact and op != Sum:
+            raise TypeError(f"all_reduce of {exact[0].dtype}: ReduceOp.AVG needs a "
+                            "floating-point tensor (integers and bool take ReduceOp.SUM)")
+        handles, staged = [], []
         if len(floats) == 1:
-            handles.append(allreduce_async_(floats[0], op=op, compression=self.wire,
+            sent = self.feedback.stage(floats[0]) if self.feedback is not None else floats[0]
+            if sent is not floats[0]:  # a host copy with the residual: copied back after
+                staged.append((floats[0], sent))
+            handles.append(allreduce_async_(sent, op=op, compression=self.wire,
                                             reducer=self.reducer))
         elif floats:
             handles.append(grouped_allreduce_async_(floats, op=op, compression=self.wire,
                                                     reducer=self.reducer))
-        if exact and op != Sum:
-            raise TypeError(f"all_reduce of {exact[0].dtype}: ReduceOp.AVG needs a "
-                            "floating-point tensor (integers and bool take ReduceOp.SUM)")
         gathered = [allgather_async(t.reshape(1, -1), reducer=self.reducer) for t in exact]
 
-        def add_exactly(results: list[Any]) -> None:
-            # Integers and bool: every rank's values gathered, summed here in
-            # int64 (bool: any), as Gloo sums them.
+        def finish(results: list[Any]) -> None:
             with torch.no_grad():
-                for tensor, rows in zip(exact, results[len(handles):], strict=True):
-                    total = (rows.any(0) if tensor.dtype == torch.bool
-                             else rows.to(torch.int64).sum(0))
-                    tensor.copy_(total.reshape(tensor.shape).to(tensor.dtype))
-        return self._work(handles + gathered, list(tensors), add_exactly if exact else None)
+                for tensor, host in staged:
+                    tensor.copy_(host.reshape(tensor.shape))
+            _sum_exactly(exact, results[len(handles):])
+        return self._work(handles + gathered, list(tensors),
+                          finish if exact or staged else None)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -226,8 +233,8 @@ class ReducerProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        works = [self.allgather([outs], [tensor], opts)
-                 for outs, tensor in zip(output_lists, inputs, strict=True)]
+        works = [self.allgather([[rank_outs[i] for rank_outs in output_lists]], [tensor], opts)
+                 for i, tensor in enumerate(inputs)]  # output_lists[rank][input]
         return _AllOf(works, [t for outs in output_lists for t in outs])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -319,34 +326,30 @@ class ReducerProcessGroup(dist.ProcessGroup):
 
     # -- refused ---------------------------------------------------------------
 
-    def _refuse(self, what: str) -> None:
-        raise NotImplementedError(f"the reducer backend has no {what}: reducerd's daemons "
-                                  f"sum and carry no point-to-point traffic; {_GLOO_INSTEAD}")
-
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         gloo = self._gloo(tensors)
         if gloo is not None:
             return gloo.send(tensors, dst, tag)
-        self._refuse("send")
+        _refuse("send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         gloo = self._gloo(tensors)
         if gloo is not None:
             return gloo.recv(tensors, src, tag)
-        self._refuse("recv")
+        _refuse("recv")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         gloo = self._gloo(tensors)
         if gloo is not None:
             return gloo.recv_anysource(tensors, tag)
-        self._refuse("recv from any source")
+        _refuse("recv from any source")
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         gloo = self._gloo([*outputs, *inputs])
         if gloo is not None:
             return gloo.alltoall(outputs, inputs, opts)
-        self._refuse("all_to_all")
+        _refuse("all_to_all")
 
     def alltoall_base(self, output: torch.Tensor, tensor: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
@@ -355,7 +358,7 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if gloo is not None:
             return gloo.alltoall_base(output, tensor, output_split_sizes, input_split_sizes,
                                       opts)
-        self._refuse("all_to_all_single")
+        _refuse("all_to_all_single")
 
     all_to_all_single = alltoall_base
 
@@ -372,13 +375,7 @@ class ReducerProcessGroup(dist.ProcessGroup):
 
     def _check_list(self, tensors: Sequence[torch.Tensor], like: torch.Tensor,
                     what: str) -> None:
-        if len(tensors) != self.size():
-            raise ValueError(f"{what} has {len(tensors)} tensors, the group has "
-                             f"{self.size()} ranks")
-        for t in tensors:
-            if t.numel() != like.numel():
-                raise ValueError(f"{what}: a tensor of {t.numel()} elements where this "
-                                 f"rank's has {like.numel()}")
+        _check_list(tensors, like, self.size(), what)
 
 
 def _create(backend_options: Any, pg_options: Any) -> ReducerProcessGroup:
