@@ -34,7 +34,7 @@ import page_blocks  # noqa: E402
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
 README = ROOT / "README.md"
 # Outside the site (mkdocs.yml's exclude_docs) until their owners move them in.
-MOVING_PAGES = {DOCS / "data-plane.md", DOCS / "torch-distributed.md"}
+MOVING_PAGES = {DOCS / "data-plane.md"}
 
 
 def _env() -> dict[str, str]:
@@ -206,7 +206,7 @@ def test_tutorial_blocks_run_against_real_daemons():
 HOWTOS = sorted((DOCS / "howto").glob("*.md"))
 # Pages other engineers write; until they land, links to them are kept in
 # <!-- pending-link ... --> comments and their nav entries commented out.
-PENDING_PAGES = {"howto/port-from-horovod.md", "howto/torch-distributed.md",
+PENDING_PAGES = {"howto/port-from-horovod.md",
                  "explanation/data-plane.md"}
 # Pages whose blocks need another interpreter than this one: its bin/ first on PATH.
 PAGE_PYTHON = {"mxnet.md": ROOT / ".venv-mxnet" / "bin"}
