@@ -76,7 +76,8 @@ def _gate(job: str) -> None:
 def case_names(module) -> list[str]:
     """Every test function of a vendored module's TestCase class, in source order."""
     case_class = _test_case_class(module)
-    return [name for name in vars(case_class) if name.startswith("test")]
+    return [name for name, value in vars(case_class).items()
+            if name.startswith("test") and callable(value)]
 
 
 def run_cases(rank: int, world_size: int, addresses: list[str], job: str,

@@ -20,8 +20,7 @@ accepted for Horovod's signatures (one process set: the whole job).
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,18 +29,17 @@ import tensorflow as tf
 from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.compression import Compressor, wire_dtype_of
-from reducer_client.errors import ReducerError
 from reducer_client.exact import decode_exact, encode_exact, encoded_per_element
 from reducer_client.horovod import resolve_op
 from reducer_client.integers import horovod_scale, is_integer
 from reducer_client.tensorflow._basics import basics
-from reducer_client.tensorflow._bridge import _in_xla_context, densify, remember_error
+from reducer_client.tensorflow._bridge import densify
+from reducer_client.tensorflow._ops import run_collective
 from reducer_client.tensorflow.functions import broadcast_variables as assign_from_root
 from reducer_client.tensorflow.steps import joinable
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_object",
-           "allgather_object", "barrier", "join", "check_root", "Compression",
-           "broadcast_variables"]
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "barrier", "join",
+           "check_root", "Compression", "broadcast_variables"]
 
 
 class _TFCompressor(Compressor):
@@ -79,25 +77,6 @@ def _check_set(process_set: Any) -> None:
                                   "collective spans the whole job")
 
 
-def _run(fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType,
-         what: str) -> tf.Tensor:
-    """fn on the inputs' NumPy values, eagerly or as one stateful graph op."""
-    if tf.executing_eagerly():
-        return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]), dtype=dtype)
-    if _in_xla_context():
-        raise ValueError(f"reducer_client.tensorflow: {what} runs as a Python op "
-                         "(tf.numpy_function) that XLA cannot compile: compile with "
-                         "jit_compile=False")
-
-    def body(*arrays: np.ndarray) -> np.ndarray:
-        try:
-            return fn(*arrays)
-        except ReducerError as exc:  # kept for elastic.run (TF passes on only the text)
-            remember_error(exc)
-            raise
-    return tf.numpy_function(body, inputs, dtype, stateful=True, name=f"Reducer_{what}")
-
-
 def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: str | None,
                     pre: float, post: float, reducer: Reducer | None) -> list[tf.Tensor]:
     """One checked, fused allreduce of dense tensors; each result in its dtype and shape."""
@@ -128,7 +107,7 @@ def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: s
         if post != 1.0:
             result = result * post
         return np.asarray(result, dtype=np.float32)
-    out = _run(body, [flat], tf.float32, "allreduce")
+    out = run_collective(body, [flat], tf.float32, "allreduce")
     sizes = [tf.size(t) for t in tensors]
     parts = [out] if single else tf.split(out, tf.stack(sizes), num=len(tensors))
     results = []
@@ -157,7 +136,7 @@ def _allreduce_integers(tensors: list[tf.Tensor], name: str | None, op: str, pre
         scaled = horovod_scale(values.reshape(-1), pre)
         return coll.allreduce_async(basics.resolve(reducer), np.array(scaled), call,
                                     postscale=post).result()
-    out = _run(body, [flat], dtype, "allreduce")
+    out = run_collective(body, [flat], dtype, "allreduce")
     parts = [out] if single else tf.split(out, tf.stack([tf.size(t) for t in tensors]),
                                           num=len(tensors))
     results = []
@@ -232,7 +211,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
         rows, counts = coll.allgather_async(basics.resolve(reducer), encode_exact(array),
                                             call).result()
         return decode_exact(rows, array.dtype, (sum(counts), *array.shape[1:]))
-    out = _run(body, [value], value.dtype, "allgather")
+    out = run_collective(body, [value], value.dtype, "allgather")
     out.set_shape([None, *value.shape[1:]])
     return out
 
@@ -250,7 +229,7 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
                          encoded.size, root_rank=root_rank)
         result = coll.broadcast_async(basics.resolve(reducer), encoded, call).result()
         return decode_exact(result, array.dtype, array.shape)
-    out = _run(body, [value], value.dtype, "broadcast")
+    out = run_collective(body, [value], value.dtype, "broadcast")
     out.set_shape(value.shape)
     return out
 
@@ -266,31 +245,6 @@ def check_root(what: str, root_rank: int, count: int, reducer: Reducer | None) -
         body()
         return None
     return tf.numpy_function(body, [], tf.float32, stateful=True, name="Reducer_check")
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: Any = None, *, reducer: Reducer | None = None) -> Any:
-    """root_rank's (picklable) `obj` on every rank (eagerly)."""
-    _check_set(process_set)
-    target = basics.resolve(reducer)
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if target.rank == root_rank \
-        else np.zeros(0, np.uint8)
-    size = broadcast(tf.constant([payload.size], tf.int64), root_rank, reducer=target)
-    if target.rank != root_rank:
-        payload = np.zeros(int(size.numpy()[0]), np.uint8)
-    data = broadcast(tf.constant(payload), root_rank, name=name, reducer=target)
-    return obj if target.rank == root_rank else pickle.loads(data.numpy().tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, *,
-                     reducer: Reducer | None = None) -> list[Any]:
-    """Every rank's (picklable) `obj`, as a list in rank order (eagerly)."""
-    _check_set(process_set)
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = allgather(tf.constant([payload.size], tf.int64), reducer=reducer).numpy()
-    data = allgather(tf.constant(payload), name=name, reducer=reducer).numpy().tobytes()
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return [pickle.loads(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def barrier(process_set: Any = None, *, reducer: Reducer | None = None) -> None:

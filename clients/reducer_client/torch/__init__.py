@@ -32,6 +32,7 @@ reducer_client.ReducerError.
 
 from reducer_client.errors import ReducerError
 from reducer_client.horovod import (
+    NOT_SUPPORTED,
     Adasum,
     Average,
     Max,
@@ -47,6 +48,7 @@ from reducer_client.horovod import (
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    not_supported,
     rocm_built,
 )
 from reducer_client.process import shim_basics
@@ -157,3 +159,7 @@ __all__ = [
     "size",
     "synchronize",
 ]
+
+# Horovod's alltoall, reducescatter and process sets: NotImplementedError saying why.
+globals().update({_name: not_supported(_name) for _name in NOT_SUPPORTED})
+__all__ += list(NOT_SUPPORTED)
