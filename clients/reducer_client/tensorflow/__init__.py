@@ -68,7 +68,7 @@ from reducer_client.horovod import (
     rocm_built,
 )
 from reducer_client.process import shim_basics
-from reducer_client.tensorflow import callbacks, elastic
+from reducer_client.tensorflow import _keras2, callbacks, elastic
 from reducer_client.tensorflow._basics import basics as _basics
 from reducer_client.tensorflow.callbacks import (
     BroadcastGlobalVariablesCallback,
@@ -115,6 +115,8 @@ __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "loca
            "Average", "Sum", "Adasum", "Min", "Max", "Product", "mpi_built", "mpi_enabled",
            "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
            "ccl_built", "cuda_built", "rocm_built"]
+
+_keras2.install()  # opt.variables() as Horovod's TF2 examples call it
 
 # Horovod's alltoall, reducescatter and process sets: NotImplementedError saying why.
 globals().update({_name: not_supported(_name) for _name in NOT_SUPPORTED})
