@@ -39,7 +39,10 @@ broadcasts), optimizer, gradient_tape, callbacks. What a step sends:
   Inside a graph (model.fit, tf.function) TensorFlow wraps exceptions of
   Python ops, so it arrives as tf.errors.UnknownError whose message ends with
   "ReducerError: <the core's message>" (TensorFlow keeps no other code).
-  Either way it comes within the client's timeout, never as a hang.
+  Ranks that disagree in allreduce, allgather or broadcast (shape, dtype,
+  root_rank) fail as Horovod's do, with tf.errors.FailedPreconditionError,
+  eagerly (also a ReducerError) and in graphs (_ops.py). Either way it comes
+  within the client's timeout, never as a hang.
 """
 
 import types as _types
