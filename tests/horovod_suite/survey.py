@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "helpers"))
 
 from suite_runner import run_cases  # noqa: E402
-from support import running_daemons, run_workers  # noqa: E402
+from support import run_workers, running_daemons  # noqa: E402
 
 # Above the runner's gate timeout: a rank may reach a case that much later.
 ROUND_TIMEOUT_S = 60

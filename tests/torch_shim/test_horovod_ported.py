@@ -73,20 +73,23 @@ def test_duplicate_named_parameters_refused_before_init():
 
 
 @pytest.mark.timeout(60)
-def test_broadcast_while_a_rank_has_joined_fails_on_the_others():
-    """Horovod refuses broadcast once a rank has joined (a joined root would
-    send zeros); the joined rank follows, and join then returns on all."""
+def test_broadcast_from_a_joined_root_fails_on_the_others():
+    """A joined rank sends zeros for the others' broadcast: where it is the
+    root they would get zeros for its tensor, so they fail, naming it; the
+    joined rank goes on, and join then returns on all."""
     def work(rank, reducer):
         if rank == 0:
             return hvd.join(reducer=reducer), None
         with pytest.raises(ReducerError) as refused:
-            hvd.broadcast(torch.ones(3), root_rank=1, name="b", reducer=reducer)
+            hvd.broadcast(torch.ones(3), root_rank=0, name="b", reducer=reducer)
+        kept = hvd.broadcast(torch.full((2,), 5.0), root_rank=1, reducer=reducer)
+        assert kept.tolist() == [5.0, 5.0]  # an active root still broadcasts
         return hvd.join(reducer=reducer), refused.value
     results = on_ranks(work)
     assert [last for last, _ in results] == [1, 1]
     error = results[1][1]
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "broadcast 'b': rank(s) 0 have joined" in str(error)
+    assert "broadcast 'b': root_rank 0 has joined" in str(error)
 
 
 @pytest.mark.parametrize("name, words", [

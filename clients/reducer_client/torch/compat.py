@@ -196,7 +196,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     wire = wire_dtype_of(compression)
     # Checked before the client is needed, as Horovod checks them (named_parameters
     # may be an iterator: it is read once, here).
-    named_parameters = _optimizer.named_optimizer_params(optimizer, named_parameters)
+    named_parameters = None if named_parameters is None else list(named_parameters)
+    _optimizer.named_optimizer_params(optimizer, named_parameters)
     base = resolve(reducer)
     holder: list[Any] = []
     # Without reducer=, the process-wide client of each step (elastic resets replace it).
