@@ -150,6 +150,24 @@ def test_broadcast_global_variables_callback_keeps_local_variables():
         np.testing.assert_array_equal(bias, np.full(2, float(r)))  # its own
 
 
+@pytest.mark.timeout(60)
+def test_inplace_broadcast_and_grouped_allgather():
+    def work(reducer):
+        r = reducer.rank
+        variables = [tf.Variable(tf.fill([2], float(r))), tf.Variable([r, r + 1])]
+        values = rtf.broadcast_(variables, root_rank=1, reducer=reducer)
+        gathered = rtf.grouped_allgather([tf.fill([r + 1], r), tf.fill([1, 2], 2.0 * r)],
+                                         reducer=reducer)
+        with pytest.raises(RuntimeError, match="does not support eager execution"):
+            rtf.broadcast_global_variables(0, reducer=reducer)
+        return [v.numpy().tolist() for v in variables], [np.asarray(v).tolist()
+                                                        for v in values], gathered
+    for variables, values, gathered in on_ranks(work):
+        assert variables == values == [[1.0, 1.0], [1, 2]]
+        assert gathered[0].numpy().tolist() == [0, 1, 1]
+        assert gathered[1].numpy().tolist() == [[0.0, 0.0], [2.0, 2.0]]
+
+
 def test_keras_optimizer_variables_may_be_called_as_in_keras_2():
     variable = tf.Variable([1.0, 2.0])
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
@@ -209,6 +227,11 @@ def _graph_worker(rank: int, world_size: int, addresses: list[str]) -> dict:
         y = tf.constant([1.0, 2.0])
         g_send = tf.gradients(rtf.broadcast(y, root_rank=1), y, tf.constant([1.0, 3.0]))[0]
         out["grads"] = [a.tolist() for a in session.run([g_gather, g_send])]
+        # broadcast_global_variables: an op that assigns the root's values.
+        variable = tf.compat.v1.Variable(tf.fill([2], float(rank)))
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(rtf.broadcast_global_variables(1))
+        out["global"] = session.run(variable).tolist()
     rtf.shutdown()
     return out
 
@@ -222,3 +245,4 @@ def test_tf1_graph_mismatch_order_and_gradients(daemons):
         assert out["fused"] == [[i, i, i] for i in range(5, -1, -1)]
         rows = [[1.0, 1.0]] if rank == 0 else [[2.0, 2.0], [3.0, 3.0]]
         assert out["grads"] == [rows, [1.0, 3.0] if rank == 1 else [0.0, 0.0]]
+        assert out["global"] == [1.0, 1.0]

@@ -92,6 +92,15 @@ def test_broadcast_from_a_joined_root_fails_on_the_others():
     assert "broadcast 'b': root_rank 0 has joined" in str(error)
 
 
+@pytest.mark.timeout(60)
+def test_grouped_allgather_gathers_each_tensor_in_list_order():
+    def work(rank, reducer):
+        return hvd.grouped_allgather([torch.full((rank + 1,), rank), torch.ones(1, 2) * rank],
+                                     reducer=reducer)
+    for first, second in on_ranks(work):
+        assert first.tolist() == [0, 1, 1] and second.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+
+
 @pytest.mark.parametrize("name, words", [
     ("alltoall", "alltoall is not supported"),
     ("alltoall_async", "alltoall is not supported"),

@@ -100,6 +100,11 @@ from reducer_client.tensorflow.objects import (
 )
 from reducer_client.tensorflow.optimizer import load_model
 from reducer_client.tensorflow.steps import set_error_feedback
+from reducer_client.tensorflow.variants import (
+    broadcast_,
+    broadcast_global_variables,
+    grouped_allgather,
+)
 
 # Bound once in reducer_client.process, as Horovod binds its basics into each
 # framework module; init also says (once, on rank 0) where the default wire
@@ -154,4 +159,5 @@ def local_size_op(name: str | None = None) -> _tf.Tensor:
     return _tf.constant(local_size(), _tf.int32, name=name)
 
 
-__all__ += ["rank_op", "size_op", "local_rank_op", "local_size_op"]
+__all__ += ["grouped_allgather", "broadcast_", "broadcast_global_variables", "rank_op",
+            "size_op", "local_rank_op", "local_size_op"]

@@ -67,6 +67,7 @@ from reducer_client.torch.broadcasts import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather,
 )
 from reducer_client.torch.collectives import (
     allreduce,
@@ -112,6 +113,7 @@ __all__ = [
     "allgather",
     "allgather_async",
     "allgather_object",
+    "grouped_allgather",
     "allreduce",
     "allreduce_",
     "allreduce_async",
