@@ -177,6 +177,17 @@ def test_keras_optimizer_variables_may_be_called_as_in_keras_2():
     assert len(optimizer.variables()) == len(optimizer.variables) >= 2
 
 
+def test_compile_accepts_experimental_run_tf_function_as_keras_2_did():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", experimental_run_tf_function=False)
+    assert model.jit_compile is False  # the reductions are Python ops: no XLA
+    model.compile(optimizer="sgd", loss="mse", experimental_run_tf_function=False,
+                  jit_compile=True)
+    assert model.jit_compile is True  # an explicit jit_compile wins
+    with pytest.raises(TypeError):
+        model.compile(optimizer="sgd", loss="mse", no_such_argument=1)
+
+
 def test_horovod_helpers_and_refusals():
     rtf.init(LocalGroup(1).client(0))
     try:
