@@ -18,10 +18,12 @@ takes both rounds under one lock, so calls from several threads pair alike).
 
 join: a rank out of data calls join() and takes part in every control round
 with an empty row; for each call the others make, it sends what they expect
-from it (zeros, or no rows for allgather) and for an optimizer step it runs
-the optimizer's shadow. "mean" then divides by the ranks that contributed
-(Horovod's join semantics): the daemons' mean over world_size is multiplied
-by world_size / active. join returns once every rank has joined.
+from it (zeros, or no rows for allgather; a broadcast whose root_rank has
+joined fails on the active ranks: the root sent zeros, not its tensor) and
+for an optimizer step it runs the optimizer's shadow. "mean" then divides by
+the ranks that contributed (Horovod's join semantics): the daemons' mean over
+world_size is multiplied by world_size / active. join returns once every
+rank has joined.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from reducer_client.control_rows import (
     STEP,
     Call,
     active_count,
+    active_ranks,
     call_shape,
     check,
     encode,
@@ -219,7 +222,13 @@ def broadcast_async(reducer: Reducer, encoded: np.ndarray, call: Call) -> Future
         else:  # the control round reports it on every rank; keep the rounds paired
             data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), DATA_KEY, "sum",
                                            "float32")
-    return _chain(control, call, lambda rows, active: data, lambda r, rows, a: r)
+    def finish(result: object, rows: np.ndarray, active: int) -> object:
+        if call.root_rank not in active_ranks(rows):  # it sent zeros, not its tensor
+            raise ReducerError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{call.describe()}: root_rank {call.root_rank} has joined: "
+                               "a joined rank has no tensor to broadcast")
+        return result
+    return _chain(control, call, lambda rows, active: data, finish)
 
 
 def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,

@@ -20,7 +20,8 @@ from reducer_client.errors import ReducerError
 from reducer_client.integers import INTEGER_INPUTS
 
 __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW", "FLOAT_DTYPES",
-           "REDUCIBLE_DTYPES", "encode", "check", "active_count", "call_shape", "gather_counts",
+           "REDUCIBLE_DTYPES", "encode", "check", "active_count", "active_ranks", "call_shape",
+           "gather_counts",
            "Shadowed", "shadowed", "joined_row", "last_joined"]
 
 ALLREDUCE, BROADCAST, ALLGATHER, STEP, CHECK = 1, 2, 3, 4, 5
@@ -148,6 +149,11 @@ def check(rows: np.ndarray, call: Call) -> int:
 
 def active_count(rows: np.ndarray) -> int:
     return int((rows[:, _PRESENT] == 1).sum())
+
+
+def active_ranks(rows: np.ndarray) -> list[int]:
+    """The ranks that made the call (the others have joined)."""
+    return [int(r) for r in np.flatnonzero(rows[:, _PRESENT] == 1)]
 
 
 def call_shape(rows: np.ndarray) -> tuple[int, ...] | str:

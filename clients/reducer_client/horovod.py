@@ -9,6 +9,10 @@
   DDL, oneCCL, CUDA or ROCm kernels are built in; reductions run on the
   reducerd daemons' CPUs (GPU tensors are staged through host memory).
 - cross_rank / cross_size: the node's index and the number of nodes.
+- not_supported(name): Horovod's collectives that summing daemons do not
+  offer (alltoall, reducescatter, process sets), bound in each shim so that a
+  ported script fails at the call with NotImplementedError saying why,
+  rather than with an AttributeError.
 - announce_wire: the one log line at init that says where this backend's
   default differs from Horovod's (the wire dtype).
 """
@@ -25,7 +29,7 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "resolve_op", "U
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
            "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
            "is_homogeneous", "cross_rank", "cross_size", "announce_wire", "QUERIES",
-           "bind_basics"]
+           "bind_basics", "NOT_SUPPORTED", "not_supported"]
 
 Average = "mean"
 Sum = "sum"
@@ -187,3 +191,31 @@ def bind_basics(basics: Any) -> dict[str, Any]:
         return is_homogeneous(basics.client())
     return {"init": init, "cross_rank": cross_rank_, "cross_size": cross_size_,
             "is_homogeneous": is_homogeneous_}
+
+
+_SUMS_ONLY = "the reducerd daemons sum whole tensors for the whole job"
+NOT_SUPPORTED: dict[str, str] = {
+    "alltoall": f"alltoall is not supported by reducerd: {_SUMS_ONLY}; no rank can "
+                "send a different part to each other rank",
+    "reducescatter": f"reducescatter is not supported by reducerd: {_SUMS_ONLY}; "
+                     "allreduce and keep this rank's slice",
+    "grouped_reducescatter": f"grouped_reducescatter is not supported by reducerd: "
+                             f"{_SUMS_ONLY}; grouped_allreduce and keep this rank's slices",
+    "add_process_set": "process sets are not supported by reducerd: every collective "
+                       "spans the whole job (start a job of its own per group instead)",
+    "remove_process_set": "process sets are not supported by reducerd: every collective "
+                          "spans the whole job",
+}
+for _name in ("alltoall", "reducescatter", "grouped_reducescatter"):
+    NOT_SUPPORTED[f"{_name}_async"] = NOT_SUPPORTED[_name]
+
+
+def not_supported(name: str) -> Any:
+    """A stand-in for Horovod's `name` that raises NotImplementedError saying why."""
+    reason = NOT_SUPPORTED[name]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(reason)
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Not supported: {reason}."
+    return refuse

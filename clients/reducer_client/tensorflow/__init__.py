@@ -39,11 +39,19 @@ broadcasts), optimizer, gradient_tape, callbacks. What a step sends:
   Inside a graph (model.fit, tf.function) TensorFlow wraps exceptions of
   Python ops, so it arrives as tf.errors.UnknownError whose message ends with
   "ReducerError: <the core's message>" (TensorFlow keeps no other code).
-  Either way it comes within the client's timeout, never as a hang.
+  Ranks that disagree in allreduce, allgather or broadcast (shape, dtype,
+  root_rank) fail as Horovod's do, with tf.errors.FailedPreconditionError,
+  eagerly (also a ReducerError) and in graphs (_ops.py). Either way it comes
+  within the client's timeout, never as a hang.
 """
+
+import types as _types
+
+import tensorflow as _tf
 
 from reducer_client.errors import ReducerError
 from reducer_client.horovod import (
+    NOT_SUPPORTED,
     Adasum,
     Average,
     Max,
@@ -59,10 +67,11 @@ from reducer_client.horovod import (
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    not_supported,
     rocm_built,
 )
 from reducer_client.process import shim_basics
-from reducer_client.tensorflow import callbacks, elastic
+from reducer_client.tensorflow import _keras2, callbacks, elastic
 from reducer_client.tensorflow._basics import basics as _basics
 from reducer_client.tensorflow.callbacks import (
     BroadcastGlobalVariablesCallback,
@@ -73,11 +82,9 @@ from reducer_client.tensorflow.callbacks import (
 from reducer_client.tensorflow.compat import (
     Compression,
     allgather,
-    allgather_object,
     allreduce,
     barrier,
     broadcast,
-    broadcast_object,
     broadcast_variables,
     grouped_allreduce,
     join,
@@ -86,8 +93,18 @@ from reducer_client.tensorflow.horovod_optimizer import (
     DistributedGradientTape,
     DistributedOptimizer,
 )
+from reducer_client.tensorflow.objects import (
+    allgather_object,
+    broadcast_object,
+    broadcast_object_fn,
+)
 from reducer_client.tensorflow.optimizer import load_model
 from reducer_client.tensorflow.steps import set_error_feedback
+from reducer_client.tensorflow.variants import (
+    broadcast_,
+    broadcast_global_variables,
+    grouped_allgather,
+)
 
 # Bound once in reducer_client.process, as Horovod binds its basics into each
 # framework module; init also says (once, on rank 0) where the default wire
@@ -98,7 +115,7 @@ from reducer_client.tensorflow.steps import set_error_feedback
 __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "is_homogeneous", "allreduce",
            "grouped_allreduce", "allgather", "allgather_object", "broadcast",
-           "broadcast_object", "broadcast_variables", "barrier", "join",
+           "broadcast_object", "broadcast_object_fn", "broadcast_variables", "barrier", "join",
            "DistributedOptimizer", "DistributedGradientTape",
            "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "load_model",
@@ -106,3 +123,41 @@ __all__ = ["init", "client", "shutdown", "is_initialized", "rank", "size", "loca
            "Average", "Sum", "Adasum", "Min", "Max", "Product", "mpi_built", "mpi_enabled",
            "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
            "ccl_built", "cuda_built", "rocm_built"]
+
+_keras2.install()  # opt.variables() as Horovod's TF2 examples call it
+
+# Horovod's alltoall, reducescatter and process sets: NotImplementedError saying why.
+globals().update({_name: not_supported(_name) for _name in NOT_SUPPORTED})
+__all__ += list(NOT_SUPPORTED)
+
+
+def _executing_eagerly() -> bool:
+    """Horovod's helper (hvd._executing_eagerly, hvd.util._executing_eagerly)."""
+    return _tf.executing_eagerly()
+
+
+util = _types.SimpleNamespace(_executing_eagerly=_executing_eagerly)
+
+
+def rank_op(name: str | None = None) -> _tf.Tensor:
+    """rank() as an int32 tensor (Horovod's)."""
+    return _tf.constant(rank(), _tf.int32, name=name)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> _tf.Tensor:
+    """size() as an int32 tensor (Horovod's)."""
+    return _tf.constant(size(), _tf.int32, name=name)
+
+
+def local_rank_op(name: str | None = None) -> _tf.Tensor:
+    """local_rank() as an int32 tensor (Horovod's)."""
+    return _tf.constant(local_rank(), _tf.int32, name=name)
+
+
+def local_size_op(name: str | None = None) -> _tf.Tensor:
+    """local_size() as an int32 tensor (Horovod's)."""
+    return _tf.constant(local_size(), _tf.int32, name=name)
+
+
+__all__ += ["grouped_allgather", "broadcast_", "broadcast_global_variables", "rank_op",
+            "size_op", "local_rank_op", "local_size_op"]

@@ -15,6 +15,7 @@ correction applies only where the optimizer holds momentum in a variable
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -40,16 +41,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     starts from the same weights); a model that Keras builds in its first
     step (a Sequential without an Input) is broadcast after that step, with
     the optimizer state it made, as Horovod's callback does. `device` is
-    Horovod's and unused (the broadcast runs on the host).
+    Horovod's and unused (the broadcast runs on the host). `local_variables`
+    (Horovod's): variables each rank keeps as they are (matched by identity;
+    every rank must leave out as many).
     """
 
     def __init__(self, root_rank: int = 0, device: str | Reducer | None = "",
-                 reducer: Reducer | None = None) -> None:
+                 reducer: Reducer | None = None, local_variables: Any = None) -> None:
         super().__init__()
         if device is not None and not isinstance(device, str):
             reducer = device  # this shim's older (root_rank, reducer) order
         self.root_rank = root_rank
         self._reducer = reducer
+        self._local = {id(v) for v in (local_variables or [])}
         self._done = False
 
     def _broadcast(self) -> None:
@@ -59,6 +63,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
             variables += list(optimizer.variables)
+        variables = [v for v in variables if id(v) not in self._local]
         broadcast_variables(variables, self.root_rank, self._reducer)
         self._done = True
 

@@ -20,8 +20,7 @@ accepted for Horovod's signatures (one process set: the whole job).
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,18 +29,17 @@ import tensorflow as tf
 from reducer_client import collectives as coll
 from reducer_client.api import Reducer
 from reducer_client.compression import Compressor, wire_dtype_of
-from reducer_client.errors import ReducerError
 from reducer_client.exact import decode_exact, encode_exact, encoded_per_element
 from reducer_client.horovod import resolve_op
 from reducer_client.integers import horovod_scale, is_integer
 from reducer_client.tensorflow._basics import basics
-from reducer_client.tensorflow._bridge import _in_xla_context, densify, remember_error
+from reducer_client.tensorflow._bridge import densify
+from reducer_client.tensorflow._ops import in_call_order, run_collective
 from reducer_client.tensorflow.functions import broadcast_variables as assign_from_root
 from reducer_client.tensorflow.steps import joinable
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_object",
-           "allgather_object", "barrier", "join", "check_root", "Compression",
-           "broadcast_variables"]
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "barrier", "join",
+           "check_root", "Compression", "broadcast_variables"]
 
 
 class _TFCompressor(Compressor):
@@ -79,25 +77,6 @@ def _check_set(process_set: Any) -> None:
                                   "collective spans the whole job")
 
 
-def _run(fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType,
-         what: str) -> tf.Tensor:
-    """fn on the inputs' NumPy values, eagerly or as one stateful graph op."""
-    if tf.executing_eagerly():
-        return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]), dtype=dtype)
-    if _in_xla_context():
-        raise ValueError(f"reducer_client.tensorflow: {what} runs as a Python op "
-                         "(tf.numpy_function) that XLA cannot compile: compile with "
-                         "jit_compile=False")
-
-    def body(*arrays: np.ndarray) -> np.ndarray:
-        try:
-            return fn(*arrays)
-        except ReducerError as exc:  # kept for elastic.run (TF passes on only the text)
-            remember_error(exc)
-            raise
-    return tf.numpy_function(body, inputs, dtype, stateful=True, name=f"Reducer_{what}")
-
-
 def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: str | None,
                     pre: float, post: float, reducer: Reducer | None) -> list[tf.Tensor]:
     """One checked, fused allreduce of dense tensors; each result in its dtype and shape."""
@@ -128,7 +107,7 @@ def _allreduce_flat(tensors: list[tf.Tensor], name: str | None, op: str, wire: s
         if post != 1.0:
             result = result * post
         return np.asarray(result, dtype=np.float32)
-    out = _run(body, [flat], tf.float32, "allreduce")
+    out = run_collective(body, [flat], tf.float32, "allreduce")
     sizes = [tf.size(t) for t in tensors]
     parts = [out] if single else tf.split(out, tf.stack(sizes), num=len(tensors))
     results = []
@@ -157,7 +136,7 @@ def _allreduce_integers(tensors: list[tf.Tensor], name: str | None, op: str, pre
         scaled = horovod_scale(values.reshape(-1), pre)
         return coll.allreduce_async(basics.resolve(reducer), np.array(scaled), call,
                                     postscale=post).result()
-    out = _run(body, [flat], dtype, "allreduce")
+    out = run_collective(body, [flat], dtype, "allreduce")
     parts = [out] if single else tf.split(out, tf.stack([tf.size(t) for t in tensors]),
                                           num=len(tensors))
     results = []
@@ -176,14 +155,18 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
               ) -> tf.Tensor:
     """Average (op=Average, the default) or sum a tensor over all ranks; same dtype back.
 
-    IndexedSlices come back dense (their dense sum is reduced). A str in
-    average's place is taken as the name (this shim's older signature).
+    IndexedSlices with a dense_shape come back dense (their dense sum is
+    reduced); without one, as Horovod's: every rank's values and indices
+    gathered (Average divides the values by size()). A str in average's place
+    is taken as the name (this shim's older signature).
     """
     _check_set(process_set)
     if isinstance(average, str):
         average, name = None, average
     op = resolve_op(op, average)
     wire = wire_dtype_of(compression)
+    if _gathered_sparse(tensor):
+        return _allgather_slices(tensor, name, op, prescale_factor, postscale_factor, reducer)
     value = densify(tensor)
 
     if not value.dtype.is_floating:
@@ -206,11 +189,55 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None, *, name: str | None = None,
                       reducer: Reducer | None = None) -> list[tf.Tensor]:
-    """allreduce of each tensor of the list in one fused call."""
+    """allreduce of each tensor of the list in one fused call; differentiable.
+
+    IndexedSlices without dense_shape are gathered as in allreduce, each on
+    its own, after the fused call of the others.
+    """
     _check_set(process_set)
-    return _allreduce_flat([densify(t) for t in tensors], name, resolve_op(op, average),
-                           wire_dtype_of(compression), prescale_factor, postscale_factor,
-                           reducer)
+    op, wire = resolve_op(op, average), wire_dtype_of(compression)
+    tensors = list(tensors)
+    dense = [densify(t) for t in tensors if not _gathered_sparse(t)]
+
+    def fused(*xs: tf.Tensor) -> list[tf.Tensor]:
+        return _allreduce_flat(list(xs), name, op, wire, prescale_factor, postscale_factor,
+                               reducer)
+    if dense and all(t.dtype.is_floating for t in dense):
+        @tf.custom_gradient
+        def reduce(*xs):
+            ys = fused(*xs)
+
+            def grad(*dys):  # Horovod's: the same grouped allreduce of the gradients
+                return fused(*[tf.zeros_like(y) if dy is None else tf.convert_to_tensor(dy)
+                               for dy, y in zip(dys, ys, strict=True)])
+            return ys, grad
+        reduced = list(reduce(*dense))
+    else:
+        reduced = fused(*dense) if dense else []
+    out = iter(reduced)
+    return [_allgather_slices(t, name, op, prescale_factor, postscale_factor, reducer)
+            if _gathered_sparse(t) else next(out) for t in tensors]
+
+
+def _gathered_sparse(tensor: Any) -> bool:
+    """IndexedSlices without dense_shape: Horovod's two allgathers (no dense form)."""
+    return isinstance(tensor, tf.IndexedSlices) and tensor.dense_shape is None
+
+
+def _allgather_slices(slices: tf.IndexedSlices, name: str | None, op: str, pre: float,
+                      post: float, reducer: Reducer | None) -> tf.IndexedSlices:
+    """Horovod's allreduce of IndexedSlices: every rank's values and indices,
+    gathered (exact); Average divides the values by size()."""
+    if pre != 1.0 or post != 1.0:
+        raise NotImplementedError("prescale_factor / postscale_factor are not supported "
+                                  "with tf.IndexedSlices (as in Horovod)")
+    values = allgather(slices.values, None if name is None else f"{name}.values",
+                       reducer=reducer)
+    indices = allgather(slices.indices, None if name is None else f"{name}.indices",
+                        reducer=reducer)
+    if op == "mean":
+        values = values / tf.cast(basics.resolve(reducer).world_size, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
@@ -232,9 +259,25 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
         rows, counts = coll.allgather_async(basics.resolve(reducer), encode_exact(array),
                                             call).result()
         return decode_exact(rows, array.dtype, (sum(counts), *array.shape[1:]))
-    out = _run(body, [value], value.dtype, "allgather")
-    out.set_shape([None, *value.shape[1:]])
-    return out
+
+    def gather(x: tf.Tensor) -> tf.Tensor:
+        out = run_collective(body, [x], value.dtype, "allgather")
+        out.set_shape([None, *value.shape[1:]])
+        return out
+    if not value.dtype.is_floating:
+        return gather(value)
+
+    @tf.custom_gradient
+    def differentiable(x):
+        def grad(dy):  # Horovod's: the average of the gradients, this rank's rows
+            counts = allgather(tf.reshape(tf.shape(x, tf.int64)[0], [1]), reducer=reducer)
+            with tf.control_dependencies([counts]):  # the rounds in one order on every rank
+                reduced = _allreduce_flat([tf.convert_to_tensor(dy)], None, "mean", None,
+                                          1.0, 1.0, reducer)[0]
+            start = tf.reduce_sum(counts[:basics.resolve(reducer).rank])
+            return reduced[start:start + tf.shape(x, tf.int64)[0]]
+        return gather(x), grad
+    return differentiable(value)
 
 
 def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
@@ -250,47 +293,39 @@ def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None,
                          encoded.size, root_rank=root_rank)
         result = coll.broadcast_async(basics.resolve(reducer), encoded, call).result()
         return decode_exact(result, array.dtype, array.shape)
-    out = _run(body, [value], value.dtype, "broadcast")
-    out.set_shape(value.shape)
-    return out
+
+    def send(x: tf.Tensor) -> tf.Tensor:
+        out = run_collective(body, [x], value.dtype, "broadcast")
+        out.set_shape(value.shape)
+        return out
+    if not value.dtype.is_floating:
+        return send(value)
+
+    @tf.custom_gradient
+    def differentiable(x):
+        def grad(dy):  # Horovod's: the average of the gradients, on the root only
+            reduced = _allreduce_flat([tf.convert_to_tensor(dy)], None, "mean", None, 1.0,
+                                      1.0, reducer)[0]
+            return reduced if basics.resolve(reducer).rank == root_rank else reduced * 0
+        return send(x), grad
+    return differentiable(value)
 
 
 def check_root(what: str, root_rank: int, count: int, reducer: Reducer | None) -> Any:
     """Every rank must name the same root_rank (and count): an op in a graph, else None."""
     call = coll.Call(coll.CHECK, what, "float32", (count,), 0, root_rank=root_rank)
 
-    def body() -> np.ndarray:
+    if tf.executing_eagerly():
+        coll.check(coll.control_async(basics.resolve(reducer), call).result(), call)
+        return None
+    made = in_call_order()
+
+    def body(*after: np.ndarray) -> np.ndarray:
         coll.check(coll.control_async(basics.resolve(reducer), call).result(), call)
         return np.zeros(0, np.float32)
-    if tf.executing_eagerly():
-        body()
-        return None
-    return tf.numpy_function(body, [], tf.float32, stateful=True, name="Reducer_check")
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: Any = None, *, reducer: Reducer | None = None) -> Any:
-    """root_rank's (picklable) `obj` on every rank (eagerly)."""
-    _check_set(process_set)
-    target = basics.resolve(reducer)
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if target.rank == root_rank \
-        else np.zeros(0, np.uint8)
-    size = broadcast(tf.constant([payload.size], tf.int64), root_rank, reducer=target)
-    if target.rank != root_rank:
-        payload = np.zeros(int(size.numpy()[0]), np.uint8)
-    data = broadcast(tf.constant(payload), root_rank, name=name, reducer=target)
-    return obj if target.rank == root_rank else pickle.loads(data.numpy().tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, *,
-                     reducer: Reducer | None = None) -> list[Any]:
-    """Every rank's (picklable) `obj`, as a list in rank order (eagerly)."""
-    _check_set(process_set)
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = allgather(tf.constant([payload.size], tf.int64), reducer=reducer).numpy()
-    data = allgather(tf.constant(payload), name=name, reducer=reducer).numpy().tobytes()
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return [pickle.loads(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    made.token = tf.numpy_function(body, made.inputs([]), tf.float32, stateful=True,
+                                   name="Reducer_check")
+    return made.token
 
 
 def barrier(process_set: Any = None, *, reducer: Reducer | None = None) -> None:

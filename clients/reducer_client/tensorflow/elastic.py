@@ -31,7 +31,8 @@ from reducer_client.elastic import HostsUpdatedInterrupt, ObjectState
 from reducer_client.elastic import make_run as _make_run
 from reducer_client.tensorflow._basics import basics as _basics
 from reducer_client.tensorflow._bridge import original_error
-from reducer_client.tensorflow.compat import broadcast_object, broadcast_variables
+from reducer_client.tensorflow.compat import broadcast_variables
+from reducer_client.tensorflow.objects import broadcast_object
 from reducer_client.tensorflow.steps import forget_feedback
 
 __all__ = ["run", "TensorFlowKerasState", "KerasState", "ObjectState", "CommitStateCallback",

@@ -32,6 +32,7 @@ reducer_client.ReducerError.
 
 from reducer_client.errors import ReducerError
 from reducer_client.horovod import (
+    NOT_SUPPORTED,
     Adasum,
     Average,
     Max,
@@ -47,6 +48,7 @@ from reducer_client.horovod import (
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    not_supported,
     rocm_built,
 )
 from reducer_client.process import shim_basics
@@ -65,6 +67,7 @@ from reducer_client.torch.broadcasts import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather,
 )
 from reducer_client.torch.collectives import (
     allreduce,
@@ -110,6 +113,7 @@ __all__ = [
     "allgather",
     "allgather_async",
     "allgather_object",
+    "grouped_allgather",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -157,3 +161,7 @@ __all__ = [
     "size",
     "synchronize",
 ]
+
+# Horovod's alltoall, reducescatter and process sets: NotImplementedError saying why.
+globals().update({_name: not_supported(_name) for _name in NOT_SUPPORTED})
+__all__ += list(NOT_SUPPORTED)

@@ -32,7 +32,8 @@ from reducer_client.torch.collectives import (
     to_like,
 )
 
-__all__ = ["allgather", "allgather_async", "allgather_object", "broadcast", "broadcast_",
+__all__ = ["allgather", "allgather_async", "allgather_object", "grouped_allgather", "broadcast",
+           "broadcast_",
            "broadcast_async", "broadcast_async_", "barrier", "barrier_async"]
 
 
@@ -90,6 +91,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor, name, reducer)
     return synchronize(allgather_async(tensor, name, reducer=reducer))
+
+
+def grouped_allgather(tensors: Any, name: str | None = None, process_set: Any = None, *,
+                      reducer: Reducer | None = None) -> list[torch.Tensor]:
+    """allgather of each tensor of the list (one call each, in list order)."""
+    _check_set(process_set)
+    return [allgather(t, None if name is None else f"{name}.{i}", reducer=reducer)
+            for i, t in enumerate(tensors)]
 
 
 def allgather_object(obj: Any, name: str | None = None, *,

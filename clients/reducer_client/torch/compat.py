@@ -194,6 +194,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     if isinstance(optimizer, _optimizer._DistributedOptimizer):
         raise TypeError("optimizer is already a DistributedOptimizer")
     wire = wire_dtype_of(compression)
+    # Checked before the client is needed, as Horovod checks them (named_parameters
+    # may be an iterator: it is read once, here).
+    named_parameters = None if named_parameters is None else list(named_parameters)
+    _optimizer.named_optimizer_params(optimizer, named_parameters)
     base = resolve(reducer)
     holder: list[Any] = []
     # Without reducer=, the process-wide client of each step (elastic resets replace it).

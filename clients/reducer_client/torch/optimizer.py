@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
@@ -44,6 +45,13 @@ from reducer_client.torch.overlap import ForwardOverlap
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES"]
 
+# Horovod's words: step() after synchronize() outside skip_synchronize() (the
+# gradients are not reduced twice here, but the idiom is Horovod's).
+SYNCHRONIZED_STEP_WARNING = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+    "your code.")
 # DDP's default bucket_cap_mb.
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -200,6 +208,8 @@ class _DistributedOptimizer:
             base_step = weakref.WeakMethod(super().step)  # type: ignore[misc]
             self._overlap.step(lambda: base_step()())  # type: ignore[misc]
             return loss  # the updates apply in the next forward
+        if self._synchronized and not self._skip_sync:
+            warnings.warn(SYNCHRONIZED_STEP_WARNING, stacklevel=2)
         if not (self._synchronized or self._skip_sync):
             self._gradients.synchronize()
         self._synchronized = False
@@ -284,7 +294,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise TypeError("optimizer is already a DistributedOptimizer")
-    named = _named_optimizer_params(optimizer, named_parameters)
+    named = named_optimizer_params(optimizer, named_parameters)
     cls = _distributed_class(type(optimizer))  # type: ignore[arg-type]
     distributed = cls.__new__(cls)
     # Share everything (param_groups, state, defaults, hooks) with the
@@ -306,7 +316,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     return distributed
 
 
-def _named_optimizer_params(optimizer: torch.optim.Optimizer,
+def named_optimizer_params(optimizer: torch.optim.Optimizer,
                             named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                             ) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) for each parameter of the optimizer that requires grad."""
