@@ -206,7 +206,7 @@ def test_tutorial_blocks_run_against_real_daemons():
 HOWTOS = sorted((DOCS / "howto").glob("*.md"))
 # Pages other engineers write; until they land, links to them are kept in
 # <!-- pending-link ... --> comments and their nav entries commented out.
-PENDING_PAGES = {"howto/port-from-horovod.md",
+PENDING_PAGES = {
                  "explanation/data-plane.md"}
 # Pages whose blocks need another interpreter than this one: its bin/ first on PATH.
 PAGE_PYTHON = {"mxnet.md": ROOT / ".venv-mxnet" / "bin"}
