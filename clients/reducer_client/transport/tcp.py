@@ -52,7 +52,6 @@ from reducer_wire.framing import (
 )
 from reducer_wire.tls import TLS_REFUSAL, TlsChannel
 
-from reducer_client.errors import ReducerError, stream_error
 from reducer_client.transport.base import (
     HEADROOM,
     DaemonInfo,
@@ -108,21 +107,21 @@ def dial(host: str, port: int, token: str, connect_timeout_s: float,
     return sock, io
 
 
-def stream_end_error(where: str, address: str, code: int, text: bytes, status_frame: bool,
-                     malformed: bool, replied: bool, transport: TcpTransport | None,
-                     ) -> ReducerError | None:
-    """The error a TcpStream on data port `where` (host:port) ends with, as the
-    link reports it, for the C loop's connections (fastpath.py): `text` is the
-    STATUS message, the malformed frame, or the break's words. None: the
-    daemon ended the stream with OK."""
+def stream_end_error(where: str, code: int, text: bytes, status_frame: bool, malformed: bool,
+                     replied: bool, transport: TcpTransport | None) -> TransportError | None:
+    """What a TcpStream on data port `where` (host:port) raises where a
+    connection the C loop drives (loopstream.py) ended: `text` is the STATUS
+    message, the malformed frame, or the break's words. None: the daemon
+    ended the stream with OK. A refusal for capacity before any reply keeps
+    `transport` off the port for a while, as TcpStream's does."""
     status = status_code_from_value(code)
     if status_frame:
         if status == grpc.StatusCode.OK:
             return None
         if status == grpc.StatusCode.RESOURCE_EXHAUSTED and not replied and transport:
             transport.refused()  # refused for capacity: gRPC for a while
-        details = text.decode("utf-8", "replace")
-    elif malformed:
+        return TransportError(status, text.decode("utf-8", "replace"))
+    if malformed:
         try:
             decode_shard(text)
             details = f"data port {where}: malformed reply"
@@ -130,7 +129,7 @@ def stream_end_error(where: str, address: str, code: int, text: bytes, status_fr
             details = f"data port {where}: malformed reply: {exc}"
     else:
         details = f"data port {where}: {text.decode('utf-8', 'replace')}"
-    return stream_error(status, f"daemon {address}: {details}")
+    return TransportError(status, details)
 
 
 class TcpTransport(Transport):
