@@ -13,6 +13,13 @@
  * link only when it breaks, with the chunks it leaves unanswered, which
  * Python resends on its own path (the rare cases stay there).
  *
+ * Each link's connection is also its DaemonLink's stream (loopstream.py),
+ * so the daemon sees one connection per client: write() sends one of the
+ * link's own frames between the loop's (its caller waits, without the GIL,
+ * until it is written), and a reply that is none of the loop's batches goes
+ * to Python whole. A connection's generation (attach() counts them) tells a
+ * write or an event which connection it is about.
+ *
  * Threads: the loop thread and Python's callers share the state under one
  * mutex (`lock`). The loop thread holds it while it reads, writes and
  * decodes, never while it waits in epoll or holds the GIL: events for Python
