@@ -4,10 +4,8 @@ One worker (world size 1), D daemons on loopback, float16 wire, small chunks
 (--chunk-bytes) so that a key's chunk count is large: the client's CPU per
 key (process CPU time: every thread of this process, none of the daemons')
 is measured for keys of two sizes, and the slope between them is the CPU one
-more chunk costs, its conversions included; what is left of the small key's
-CPU is the fixed cost of a key (a call, its future, the threads' hand-offs).
-Both paths run against the same daemons, one after the other, --repeats
-times each.
+more chunk costs, its conversions included. Both paths run against the same
+daemons, one after the other, --repeats times each.
 
     .venv/bin/python scripts/client_chunk_cpu.py --daemons 4 --repeats 3
 """
@@ -66,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         row.append(f"{name}: not built")
                         continue
                 per_chunk_us = (cpu[1] - cpu[0]) / (chunks[1] - chunks[0]) * 1e6
-                per_key_us = cpu[0] * 1e6 - per_chunk_us * chunks[0]
-                row.append(f"{name} {per_chunk_us:.1f} us/chunk + {per_key_us:.0f} us/key")
+                row.append(f"{name} {per_chunk_us:.1f} us/chunk")
             print(f"run {repeat + 1} ({chunks[0]} -> {chunks[1]} chunks a key): " + ", ".join(row))
     finally:
         for d in daemons:
