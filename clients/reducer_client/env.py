@@ -22,8 +22,8 @@ otherwise. REDUCER_NODE_LOCAL=0 turns node-local aggregation off.
 REDUCER_WIRE_NUMPY=1 converts to and from the wire dtypes in NumPy instead of
 reducer_wire's C kernels (same bits, slower; for comparison), and so also
 keeps every chunk on the Python path; REDUCER_CLIENT_C_LOOP=0 does only the
-latter (fastpath.py: whole keys through a C loop, the default where
-it was built).
+latter (fastpath.py: whole keys through a C loop, the default where it was
+built).
 
 settings_from_env(mapping) reads that mapping alone and returns every
 setting, the documented defaults where a variable is unset; from_env passes
@@ -157,11 +157,13 @@ def wire_numpy_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def client_loop_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """REDUCER_CLIENT_C_LOOP=1: send plain-TCP keys through the C loop
-    (fastpath.py) where it was built. Off by default: its second connection per
-    daemon is not yet offered to gRPC when a daemon refuses it for capacity."""
+    """Whether plain-TCP keys go through the C loop (fastpath.py) where it was
+    built: yes unless REDUCER_CLIENT_C_LOOP is 0 (false, no, off)."""
     environ = os.environ if environ is None else environ
-    return environ.get("REDUCER_CLIENT_C_LOOP", "").strip().lower() in ("1", "true", "yes", "on")
+    switch = environ.get("REDUCER_CLIENT_C_LOOP", "").strip().lower()
+    if switch and switch not in _FALSE + _TRUE:
+        raise ValueError(f"REDUCER_CLIENT_C_LOOP={switch!r}: use 1 or 0")
+    return switch not in _FALSE
 
 
 def data_plane_from_env(environ: Mapping[str, str] | None = None) -> str:

@@ -5,17 +5,22 @@ chunks go to a C thread at once: encode() narrows every chunk into its frame
 before allreduce_async returns, the loop sends them under SendOrder's window
 and credits (order.py) and LinkQueue's priorities, matches the replies,
 checks their dtype and length and widens them into the output; Python hears
-of a key once (done, or its first error). The links keep a second,
-Python-driven stream for everything else (gRPC, TLS, float64 arrays, keys
-sent while a C connection was down).
+of a key once (done, or its first error).
 
-The rare paths stay in Python: when the C connection to a daemon breaks,
-its unanswered chunks and the contributions to the last completed round of
-each key on it (what a restarted daemon may need, as history.py keeps them)
-go to that daemon's DaemonLink, which resends them on its own stream with
-its backoff, retries and errors, exactly as after a break of its own; the C
-connection is dialled again a while later. An in-band error, a reply of the
-wrong size or dtype fail the key with the Python path's errors.
+One connection per daemon: the loop's connection is the link's own stream
+(transport/loopstream.py). The link dials it, with its refusals, backoff and
+fallback to gRPC, and sends through it what the loop does not carry (float64
+and integer arrays, resends, keys sent while a connection was down); replies
+that are no loop key's go back to the link. A key takes the loop only while
+every link's stream is on it.
+
+The rare paths stay in Python: when a daemon's connection ends, its
+unanswered chunks and the contributions to the last completed round of each
+key on it (what a restarted daemon may need, as history.py keeps them) go to
+that daemon's DaemonLink before its stream ends, so it resends or fails them
+with its own backoff, retries and errors, exactly as after a break on the
+Python path. An in-band error, a reply of the wrong size or dtype fail the
+key with the Python path's errors.
 
 Off where the extension was not built, with REDUCER_WIRE_NUMPY=1 (the C
 kernels are off) and with REDUCER_CLIENT_C_LOOP=0 (env.py).
@@ -26,10 +31,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -40,9 +46,10 @@ from reducer_wire.quant import INT8_BLOCK
 
 from reducer_client.errors import ReducerError, status_code_from_value
 from reducer_client.ops import Operation, reply_dtype_problem
-from reducer_client.transport.base import TransportError
+from reducer_client.transport.base import DaemonInfo, TransportError
 from reducer_client.transport.history import MAX_SLOTS, Message
 from reducer_client.transport.link import DaemonLink
+from reducer_client.transport.loopstream import LoopStream, LoopTransport
 from reducer_client.transport.order import CREDITS_PER_LINK, MAX_WAIT_S, STALL_S, WINDOW_PER_DAEMON
 from reducer_client.transport.tcp import TcpTransport, stream_end_error
 
@@ -51,13 +58,9 @@ try:
 except ImportError:  # built without a C compiler: every key takes the Python path
     _tcploop = None
 
-__all__ = ["FastPath", "available", "RECONNECT_AFTER_S"]
+__all__ = ["FastPath", "available"]
 
 log = logging.getLogger("reducer_client")
-
-# After its C connection broke, how long a daemon's keys take the Python path
-# before the C loop dials it again.
-RECONNECT_AFTER_S = 1.0
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -77,6 +80,8 @@ def plain_tcp(link: DaemonLink) -> TcpTransport | None:
     """The link's TCP data plane where streams try it first, without TLS: what
     the loop can carry; else None."""
     first = link.route()[1]
+    if isinstance(first, LoopTransport):
+        first = first.tcp
     return first if isinstance(first, TcpTransport) and first.plain else None
 
 
@@ -114,21 +119,23 @@ class FastPath:
         self._window = WINDOW_PER_DAEMON * len(self._links)
         self._loop = _tcploop.Loop(len(self._links), self._on_event, MAX_WAIT_S, STALL_S)
         self._tokens = itertools.count(1)
-        # _lock guards _flights, _done, _up, _dialing, _dial_after_s and _closed:
-        # callers (send, settled), the loop thread (events), the dialling threads.
+        # _lock guards _flights, _done, _streams, _up and _closed: callers (send,
+        # settled), the loop thread (events), the links' reader threads (attach).
         self._lock = threading.Lock()
         self._flights: dict[int, _Flight] = {}
         self._by_operation: dict[int, int] = {}  # id(operation) -> token
         # Oldest completion first, as history.py's slots; bounded the same way.
         self._done: OrderedDict[str, _Done] = OrderedDict()
+        self._streams: list[LoopStream | None] = [None] * len(self._links)  # the latest
         self._up = [False] * len(self._links)
         self._all_up = False
-        self._dialing = [False] * len(self._links)
-        self._dial_after_s = [0.0] * len(self._links)
-        self._ports = [0] * len(self._links)  # each C connection's data port
         self._round_timeout_s = float("inf")  # the shortest the daemons said
         self._closed = False
         self.keys_sent = 0  # keys that went through the loop (tests, diagnostics)
+        for index, link in enumerate(self._links):  # their data plane is the loop's now
+            tcp = plain_tcp(link)
+            assert tcp is not None, "every link plain TCP first (client.py checks)"
+            link.use_data_plane(LoopTransport(tcp, index, self._attach))
 
     @property
     def ready(self) -> bool:
@@ -140,10 +147,10 @@ class FastPath:
         return self._loop.counters()
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """Dial what is missing and wait up to timeout_s for every link (tests)."""
+        """Open the links' streams and wait up to timeout_s for all on the loop (tests)."""
         deadline_s = time.monotonic() + timeout_s
         while not self._all_up and time.monotonic() < deadline_s:
-            self._dial_missing()
+            self._open_missing()
             time.sleep(0.01)
         return self._all_up
 
@@ -154,7 +161,7 @@ class FastPath:
         when it cannot take them: a link without its C connection (dialled
         meanwhile), a dtype it does not carry. values: as client._send_chunks."""
         if not self._all_up:
-            self._dial_missing()
+            self._open_missing()
             return False
         codec = self._codecs.get(operation.dtype)
         out = operation.out
@@ -211,7 +218,11 @@ class FastPath:
         """Stop the loop and close its connections; what was open fails elsewhere."""
         with self._lock:
             self._closed = True
+            streams, self._streams = self._streams, [None] * len(self._links)
         self._loop.close()
+        for stream in streams:  # their links' readers end
+            if stream is not None:
+                stream.ended(TransportError(grpc.StatusCode.CANCELLED, "client is closed"))
 
     # -- the loop's events (its thread, the GIL held) --------------------------
 
@@ -223,6 +234,8 @@ class FastPath:
                 self._on_error_reply(*args)
             elif kind == "bad":
                 self._on_bad_reply(*args)
+            elif kind == "reply":
+                self._on_reply(*args)
             elif kind == "down":
                 self._on_down(*args)
         except Exception:  # the loop thread must go on; the watchdog bounds the key
@@ -259,8 +272,8 @@ class FastPath:
                 done.completed_s = now_s
                 self._done.move_to_end(key)
             self._prune(now_s)
-        for link in self._links:
-            link.completed_elsewhere(key, round_)
+        for link, answered in zip(self._links, batch.daemons, strict=True):
+            link.completed_elsewhere(key, round_, answered)
 
     def _prune(self, now_s: float) -> None:
         """Drop what can no longer help (history.py's rule: a round timeout, MAX_SLOTS)."""
@@ -290,36 +303,34 @@ class FastPath:
                    else f"reply has {got} bytes, expected {expected}")
         operation.fail(operation.chunk_error(index, problem))
 
-    def _on_down(self, index: int, code: int, text: bytes, status_frame: int, malformed: int,
-                 replied: int, orphans: list[tuple[int, int]]) -> None:
-        """Link `index`'s C connection ended: its open chunks and last completed
-        rounds go to the DaemonLink, which carries on as after a break of its own."""
+    def _on_reply(self, index: int, gen: int, body: bytes) -> None:
+        stream = self._streams[index]
+        if stream is not None and stream.gen == gen:
+            stream.replied(body)
+
+    def _on_down(self, index: int, gen: int, code: int, text: bytes, status_frame: int,
+                 malformed: int, replied: int, orphans: list[tuple[int, int]]) -> None:
+        """Connection `gen` of link `index` ended: its open chunks and last
+        completed rounds go to the DaemonLink, then its stream ends, so the link
+        resends or fails them as after a break on the Python path."""
         link = self._links[index]
         with self._lock:
-            self._up[index] = False
-            self._all_up = False
-            self._dial_after_s[index] = time.monotonic() + RECONNECT_AFTER_S
+            stream = self._streams[index]
+            if stream is not None and stream.gen != gen:
+                stream = None  # an older connection's end: the link has moved on
+            if stream is not None:
+                self._up[index] = self._all_up = False
             closed = self._closed
-        tcp = plain_tcp(link)
-        error = stream_end_error(f"{tcp.host if tcp else '?'}:{self._ports[index]}",
-                                 link.address, code, text, bool(status_frame),
-                                 bool(malformed), bool(replied), tcp)
         if closed:
             return
-        # Redialled once the link's own stream got an answer again (last_error
-        # None), which has then resent the history kept below first.
-        link.last_error = error or ReducerError(
-            grpc.StatusCode.UNAVAILABLE, f"daemon {link.address} ended the stream",
-            retryable=True)
         now_s = time.monotonic()
         with self._lock:
             self._prune(now_s)
             kept = [(key, done.round, done.batch, done.chunks)
                     for key, done in self._done.items()]
         for key, round_, batch, chunks in kept:
-            link.completed_elsewhere(key, round_, [(c.offset, _message(batch, i))
-                                                   for i, c in enumerate(chunks)
-                                                   if c.daemon == index])
+            link.completed_elsewhere(key, round_, messages=[
+                (c.offset, _message(batch, i)) for i, c in enumerate(chunks) if c.daemon == index])
         by_token: dict[int, list[int]] = {}
         for token, chunk in orphans:
             by_token.setdefault(token, []).append(chunk)
@@ -328,9 +339,6 @@ class FastPath:
             if flight is None:
                 continue
             operation = flight.operation
-            if error is not None and not error.retryable:  # the Python path fails them too
-                operation.fail(error)
-                continue
             try:
                 for i in indices:
                     chunk = operation.chunks[i]
@@ -339,56 +347,45 @@ class FastPath:
                               operation.deadline_s)
             except ReducerError as exc:  # the client closed meanwhile
                 operation.fail(exc)
+        if stream is not None:
+            tcp = plain_tcp(link)
+            stream.ended(stream_end_error(stream.where, code, text, bool(status_frame),
+                                          bool(malformed), bool(replied), tcp))
 
     # -- connections -------------------------------------------------------------
 
-    def _dial_missing(self) -> None:
-        now_s = time.monotonic()
-        with self._lock:
-            if self._closed:
-                return
-            todo = [i for i in range(len(self._links)) if not self._up[i]
-                    and not self._dialing[i] and now_s >= self._dial_after_s[i]
-                    and self._links[i].last_error is None]
-            for i in todo:
-                self._dialing[i] = True
-        for i in todo:
-            threading.Thread(target=self._dial, args=(i,), daemon=True,
-                             name=f"reducer-loop-dial-{self._links[i].address}").start()
+    def _open_missing(self) -> None:
+        """Have every link without a stream open one (the loop's connection)."""
+        for index, link in enumerate(self._links):
+            if not self._up[index]:
+                link.ensure_stream()
 
-    def _dial(self, index: int) -> None:
-        """Connect link `index` for the loop (its own thread: this blocks)."""
-        link = self._links[index]
-        tcp = plain_tcp(link)
-        up = False
-        try:
-            if tcp is not None:
-                daemon = link.route()[0].brief_status()
-                if daemon.round_timeout_s:
-                    with self._lock:
-                        self._round_timeout_s = min(self._round_timeout_s,
-                                                    daemon.round_timeout_s)
-                sock = tcp.dial_plain(daemon)
-                self._ports[index] = daemon.data_port
-                fd = sock.detach()
-                try:
-                    self._loop.attach(index, fd, tcp.max_message_bytes)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                link.streamed_elsewhere("tcp")
-                up = True
-        except (TransportError, ValueError, OSError) as exc:
-            log.debug("daemon %s: no C loop connection (%s)", link.address, exc)
-        finally:
-            with self._lock:
-                self._dialing[index] = False
-                if up:
-                    self._up[index] = True
-                    self._all_up = all(self._up)
-                else:  # no data plane, TLS, or unreachable: the Python path for a while
-                    self._dial_after_s[index] = time.monotonic() + (
-                        RECONNECT_AFTER_S if tcp is not None else float("inf"))
+    def _attach(self, index: int, sock: socket.socket, daemon: DaemonInfo,
+                requests: Iterable[memoryview]) -> LoopStream:
+        """Link `index`'s stream on the loop (its reader thread): the greeted
+        socket goes to the loop, which from now on owns it."""
+        tcp = plain_tcp(self._links[index])
+        assert tcp is not None
+        where = f"{tcp.host}:{daemon.data_port}"
+        with self._lock:  # before any event of the connection can look for its stream
+            if self._closed:
+                sock.close()
+                raise TransportError(grpc.StatusCode.CANCELLED, "client is closed")
+            fd = sock.detach()
+            try:
+                gen = self._loop.attach(index, fd, tcp.max_message_bytes)
+            except BaseException as exc:
+                os.close(fd)
+                raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                                     f"data port {where}: {exc}") from None
+            stream = LoopStream(self._loop, index, gen, where, requests)
+            self._streams[index] = stream
+            self._up[index] = True
+            self._all_up = all(self._up)
+            if daemon.round_timeout_s:
+                self._round_timeout_s = min(self._round_timeout_s, daemon.round_timeout_s)
+        stream.start()
+        return stream
 
 
 def _message(batch: Any, index: int) -> Message:

@@ -2,9 +2,11 @@
 
 Scenarios: several keys from two worker processes whose chunks span three
 daemons, on the loop and on the Python path (REDUCER_CLIENT_C_LOOP=0), with
-the same bits; an in-band error from a daemon; a daemon killed while a key
-waits on it (the Python path's error, in bounded time, never a hang); the
-switches that keep the Python path.
+the same bits; one data connection per worker carrying both paths' keys; a
+connection refused for capacity (gRPC on both paths); an in-band error, a
+round timeout, a token refused and a daemon killed while a key waits on it
+(the Python path's error, in bounded time, never a hang); the switches that
+keep the Python path.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import numpy as np
 import pytest
 from loop_cases import several_keys_worker
 from reducer_client import ReducerClient, ReducerError, fastpath
-from support import run_workers, start_daemon
+from reducer_client.transport.tcp import dial
+from support import limited_daemon, run_workers, start_daemon
+
+from reducerd.service.access import job_token
 
 pytestmark = pytest.mark.skipif(not fastpath.available(), reason="the C loop was not built")
 
@@ -28,8 +33,13 @@ ON = {"REDUCER_CLIENT_C_LOOP": "1"}
 
 @pytest.fixture(autouse=True)
 def _c_loop_on(monkeypatch):
-    """The C loop is opt-in (env.client_loop_from_env): on for these tests and their workers."""
+    """The C loop is the default: on for these tests and their workers even
+    where the suite runs with REDUCER_CLIENT_C_LOOP=0."""
     monkeypatch.setenv("REDUCER_CLIENT_C_LOOP", "1")
+
+
+def _caps(connections: int) -> str:
+    return f"import reducerd.dataplane.plane as d; d.MAX_CONNECTIONS = {connections}"
 
 
 @pytest.mark.parametrize("wire, in_dtype", [("float16", "float32"), ("bfloat16", "float16"),
@@ -193,3 +203,135 @@ def test_close_with_keys_in_flight_on_the_loop_is_bounded(tmp_path):
         pair[1].close()
     finally:
         d.stop()
+
+
+def _exact_input(rank: int, numel: int, dtype) -> np.ndarray:
+    """Small integers: every path's sum is exact, equal to the float64 reference."""
+    return ((np.arange(numel) % 31) + 10 * rank).astype(dtype)
+
+
+def test_one_data_connection_per_worker_carries_both_paths(tmp_path):
+    """A daemon that takes two data connections in all serves two workers with
+    the loop on: the loop's keys and the Python path's (float64, int32) share
+    each worker's one connection, concurrently, and every sum is exact."""
+    d = limited_daemon(log_dir=tmp_path, prelude=_caps(2))
+    try:
+        pair = clients([d.address], "one-conn", data_plane="tcp", chunk_bytes=4096)
+        try:
+            warm(pair)
+            assert all(c.c_loop.ready for c in pair)
+            dtypes_ = (np.float32, np.float64, np.int32, np.float16, np.float64)
+            futures = [[c.allreduce_async(_exact_input(r, 9000, dt), key=f"k{i}")
+                        for i, dt in enumerate(dtypes_)] for r, c in enumerate(pair)]
+            for per_rank in futures:
+                for i, dt in enumerate(dtypes_):
+                    expected = sum(_exact_input(r, 9000, np.float64) for r in range(2))
+                    got = per_rank[i].result(20)
+                    assert got.dtype == dt
+                    np.testing.assert_array_equal(got, expected.astype(dt))
+            for c in pair:
+                assert c.c_loop.keys_sent == 2  # float32 and float16; the rest in Python
+                assert c.transports == ["tcp"] and c.links[0].reconnects == 0
+        finally:
+            for c in pair:
+                c.close()
+        assert "too many data connections" not in d.log()
+    finally:
+        d.stop()
+
+
+def test_a_connection_refused_for_capacity_sends_through_grpc_on_both_paths(tmp_path):
+    """The daemon's only data connection is taken: both paths' workers are
+    refused, send through gRPC instead (exact sums), and the loop carries no key."""
+    d = limited_daemon(log_dir=tmp_path, prelude=_caps(1))
+    try:
+        probe = ReducerClient([d.address], job="probe", rank=0, world_size=1, environ=OFF)
+        port = probe.links[0].route()[0].brief_status().data_port
+        probe.close()
+        holder, _ = dial("127.0.0.1", port, "", 5)
+        try:
+            time.sleep(0.3)  # its handshake is in: it holds the one connection
+            for name, environ in (("loop", ON), ("python", OFF)):
+                pair = clients([d.address], f"refused-{name}", environ=environ)
+                try:
+                    futures = [c.allreduce_async(_exact_input(r, 5000, np.float32), key="k")
+                               for r, c in enumerate(pair)]
+                    expected = sum(_exact_input(r, 5000, np.float64) for r in range(2))
+                    for f in futures:
+                        np.testing.assert_array_equal(f.result(10), expected)
+                    for c in pair:
+                        assert c.transports == ["grpc"]
+                        assert c.c_loop is None or (c.c_loop.keys_sent == 0
+                                                    and not c.c_loop.ready)
+                finally:
+                    for c in pair:
+                        c.close()
+            assert "too many data connections (1)" in d.log()
+        finally:
+            holder.close()
+    finally:
+        d.stop()
+
+
+def _lone_key_error(environ, job: str, address: str, warm_up: bool = True,
+                    on_loop: bool = True, **kw) -> tuple[ReducerError, float]:
+    """Rank 0 of two sends a key alone, on the loop where it is on (unless
+    on_loop says no connection can be had): the error it fails with, and how
+    long that took. warm_up=False: a first key that fails too opens the
+    connections instead of an allreduce of both ranks."""
+    pair = clients([address], job, environ=environ, **kw)
+    try:
+        if warm_up:
+            warm(pair)
+        else:
+            error_of(pair[0].allreduce_async(np.ones(8, np.float32), key="first"))
+            if pair[0].c_loop is not None:
+                assert pair[0].c_loop.wait_ready(10 if on_loop else 0.5) == on_loop
+        start = time.monotonic()
+        future = pair[0].allreduce_async(np.ones(20_000, np.float32), key="alone")
+        if environ is ON:
+            assert pair[0].c_loop.keys_sent == int(on_loop)
+        return error_of(future), time.monotonic() - start
+    finally:
+        for c in pair:
+            c.close()
+
+
+def test_a_round_timeout_fails_the_key_as_on_the_python_path(tmp_path):
+    """Rank 1 never sends the key: the daemon's round timeout (1 s) fails it
+    with the same code and words on both paths, before the client's own."""
+    d = start_daemon("--round-timeout", "1", log_dir=tmp_path)
+    try:
+        outcomes = {name: _lone_key_error(environ, f"late-{name}", d.address)
+                    for name, environ in (("loop", ON), ("python", OFF))}
+    finally:
+        d.stop()
+    (loop_error, loop_s), (python_error, python_s) = outcomes["loop"], outcomes["python"]
+    assert loop_error.code == python_error.code
+    assert str(loop_error).replace("late-loop", "JOB") == \
+        str(python_error).replace("late-python", "JOB")
+    assert loop_s < 3 and python_s < 3  # the daemon's 1 s, not the client's 3 s
+
+
+@pytest.mark.parametrize("token", ["not-the-token", "another job's"])
+def test_a_token_refused_fails_as_on_the_python_path(tmp_path, token):
+    """A token the daemon does not know (refused at its status: no
+    connection, no loop) or another job's (the data plane refuses its
+    shards, on the loop's connection): both paths fail the key with the same
+    code and words, in bounded time."""
+    token_file = tmp_path / "token"
+    token_file.write_text("the-daemon-token\n")
+    on_loop = token == "another job's"
+    if on_loop:
+        token = job_token("the-daemon-token", "other")
+    d = start_daemon("--auth-token-file", str(token_file), log_dir=tmp_path)
+    try:
+        outcomes = {name: _lone_key_error(environ, "job", d.address, token=token,
+                                          data_plane="tcp", warm_up=False, on_loop=on_loop)
+                    for name, environ in (("loop", ON), ("python", OFF))}
+    finally:
+        d.stop()
+    (loop_error, loop_s), (python_error, python_s) = outcomes["loop"], outcomes["python"]
+    assert loop_error.code == python_error.code, (loop_error, python_error)
+    assert str(loop_error) == str(python_error)
+    assert loop_s < 3 + 2.0 and python_s < 3 + 2.0

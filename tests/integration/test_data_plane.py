@@ -14,7 +14,7 @@ import pytest
 from core_cases import matrix_worker
 from raw_frames import HELLO_OK, data_port, frame, raw_session, status_of
 from reducer_client import ReducerClient, ReducerError
-from reducer_client.transport.tcp import TcpStream
+from reducer_client.transport import tcp
 from reducer_wire._proto.reducer.v1 import reducer_pb2 as pb
 from reducer_wire._proto.reducer.v1 import reducer_pb2_grpc as pb_grpc
 from reducer_wire.codec import decode_shard, encode_shard
@@ -113,9 +113,9 @@ def test_off_means_grpc_for_auto_and_a_clear_error_for_tcp(tmp_path):
 
 
 def test_unreachable_data_port_falls_back_to_grpc(daemon, monkeypatch, caplog):
-    def refuse(self):
+    def refuse(*args, **kwargs):
         raise ConnectionRefusedError(111, "Connection refused (test)")
-    monkeypatch.setattr(TcpStream, "connect", refuse)
+    monkeypatch.setattr(tcp, "dial", refuse)  # every data connection dials through it
     with ReducerClient([daemon.address], job="j", rank=0, world_size=1) as client:
         assert client.allreduce(np.ones(3, dtype=np.float32), "k").tolist() == [1, 1, 1]
         assert client.transports == ["grpc"]

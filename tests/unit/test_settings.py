@@ -4,7 +4,7 @@ import argparse
 import json
 
 import pytest
-from reducer_client.env import settings_from_env
+from reducer_client.env import client_loop_from_env, settings_from_env
 
 from reducerd.ops.config import ConfigError, add_arguments, config_from_args
 
@@ -207,3 +207,13 @@ def test_bad_timeout_is_a_clear_error():
     with pytest.raises(ValueError, match="REDUCER_TIMEOUT='soon' is not a number"):
         settings_from_env({"REDUCER_ADDRESSES": "h:1", "REDUCER_RANK": "0",
                            "REDUCER_WORLD_SIZE": "1", "REDUCER_TIMEOUT": "soon"})
+
+
+def test_the_client_loop_is_on_unless_switched_off():
+    assert client_loop_from_env({}) is True
+    for on in ("1", "true", "YES", " on "):
+        assert client_loop_from_env({"REDUCER_CLIENT_C_LOOP": on}) is True
+    for off in ("0", "false", "No", "off"):
+        assert client_loop_from_env({"REDUCER_CLIENT_C_LOOP": off}) is False
+    with pytest.raises(ValueError, match="REDUCER_CLIENT_C_LOOP='maybe': use 1 or 0"):
+        client_loop_from_env({"REDUCER_CLIENT_C_LOOP": "maybe"})

@@ -119,9 +119,10 @@ class Peer:
         self.events: queue.Queue = queue.Queue()
         self.loop = _tcploop.Loop(links, lambda *e: self.events.put(e), 0.05, 0.5)
         self.socks = []
+        self.gens = []
         for link in range(links):
             ours, theirs = socket.socketpair()
-            self.loop.attach(link, ours.detach(), 1 << 24)
+            self.gens.append(self.loop.attach(link, ours.detach(), 1 << 24))
             self.socks.append(theirs)
             theirs.settimeout(5)
 
@@ -205,9 +206,11 @@ def test_an_error_reply_fails_the_key_once_and_the_rest_is_ignored(peer):
     peer.reply(0, key=first.key, round=first.round, offset=first.offset, dtype=first.dtype,
                error_code=3, error_message="length 10 of rank 1 differs")
     assert peer.event() == ("error", 5, 0, 3, b"length 10 of rank 1 differs")
-    second = peer.read(1)  # sent before the error came: its reply changes nothing
+    second = peer.read(1)  # sent before the error came: its reply changes nothing here
     peer.reply(1, key=second.key, round=second.round, offset=second.offset,
                dtype=second.dtype, data=np.ones(10, "<f4").tobytes())
+    kind, link, gen, body = peer.event()  # it is no live key's: the link's (Python) now
+    assert (kind, link, gen, decode_shard(body).offset) == ("reply", 1, peer.gens[1], 10)
     with pytest.raises(queue.Empty):
         peer.event(0.2)
     assert not out.any()
@@ -228,17 +231,26 @@ def test_a_reply_of_the_wrong_size_or_dtype_fails_the_key(peer, what, fields):
                                (pb.DTYPE_FLOAT16, pb.DTYPE_FLOAT32))
 
 
-def test_replies_to_other_keys_rounds_and_offsets_are_ignored(peer):
+def test_replies_to_other_keys_rounds_and_offsets_go_to_python_untouched(peer):
+    """The link's own chunks share the connection: a reply that is no loop
+    key's comes back whole, on the connection it came on, and writes nothing."""
     batch = encode(values_for(10, np.dtype(np.float32)), pb.DTYPE_FLOAT32, [Chunk(0, 10, 0)])
     out = np.zeros(10, np.float32)
     peer.loop.submit(batch, 1, out, False, 2, 4)
     shard = peer.read(0)
     data = np.ones(10, "<f4").tobytes()
-    for fields in (dict(key="other", round=7, offset=0), dict(key="the key", round=8, offset=0),
-                   dict(key="the key", round=7, offset=3)):
+    others = (dict(key="other", round=7, offset=0), dict(key="the key", round=8, offset=0),
+              dict(key="the key", round=7, offset=3))
+    for fields in others:
         peer.reply(0, dtype=shard.dtype, data=data, **fields)
-    with pytest.raises(queue.Empty):
-        peer.event(0.2)
+    for fields in others:
+        kind, link, gen, body = peer.event()
+        reply = decode_shard(body)
+        assert (kind, link, gen) == ("reply", 0, peer.gens[0])
+        assert (reply.key, reply.round, reply.offset) == (fields["key"], fields["round"],
+                                                          fields["offset"])
+        assert bytes(reply.data) == data
+    assert not out.any()
     peer.reply(0, key="the key", round=7, offset=0, dtype=shard.dtype, data=data)
     assert peer.event() == ("done", 1, 1)
     assert (out == 1).all()
@@ -255,8 +267,9 @@ def test_a_broken_connection_hands_back_its_unanswered_chunks(peer):
                data=np.ones(10, "<f4").tobytes())
     time.sleep(0.05)
     peer.socks[1].close()
-    kind, link, code, text, status_frame, malformed, replied, orphans = peer.event()
-    assert (kind, link, code, status_frame, malformed, replied) == ("down", 1, 14, 0, 0, 1)
+    kind, link, gen, code, text, status_frame, malformed, replied, orphans = peer.event()
+    assert (kind, link, gen, code, status_frame, malformed, replied) == \
+        ("down", 1, peer.gens[1], 14, 0, 0, 1)
     assert text in (b"the daemon closed the connection",
                     b"connection broke ([Errno 104] Connection reset by peer)")
     assert sorted(orphans) == [(4, 3), (4, 5)]
@@ -278,8 +291,8 @@ def test_a_status_frame_ends_the_link_with_its_code(peer):
     payload = (8).to_bytes(4, "little") + b"too many connections"
     peer.socks[0].sendall(frame_header(STATUS, len(payload)) + payload)
     event = peer.event()
-    assert event[:7] == ("down", 0, 8, b"too many connections", 1, 0, 0)
-    assert event[7] == [(2, 0)]
+    assert event[:8] == ("down", 0, peer.gens[0], 8, b"too many connections", 1, 0, 0)
+    assert event[8] == [(2, 0)]
     assert peer.event() == ("done", 2, 0)  # nothing left on the loop for it
 
 
@@ -373,3 +386,46 @@ def test_close_is_bounded_with_keys_in_flight():
     threading.Thread(target=lambda: (peer.close(), done.set()), daemon=True).start()
     assert done.wait(5)
     assert not batch.active
+
+
+def test_python_frames_go_out_whole_between_the_loops_frames(peer):
+    """write() sends the link's own frame on its connection, never inside one
+    of the loop's, and returns once it is written; an older connection's
+    generation, a connection that ended, or shutdown() make it return False."""
+    chunks = [Chunk(1000 * i, 1000, 0) for i in range(8)]
+    batch = encode(values_for(8000, np.dtype(np.float32)), pb.DTYPE_FLOAT32, chunks)
+    own = encode_shard(job="job", key="python", round=3, offset=0, dtype=pb.DTYPE_FLOAT32,
+                       data=np.full(4, 2.0, "<f4").tobytes())
+    peer.loop.submit(batch, 6, np.zeros(8000, np.float32), False, 100, 0)
+    assert peer.loop.write(0, peer.gens[0], frame_header(SHARD, len(own)) + own)
+    seen = [peer.read(0) for _ in range(9)]  # whole frames: each decodes
+    assert sorted(s.key for s in seen) == ["python"] + ["the key"] * 8
+    assert not peer.loop.write(0, peer.gens[0] + 1, frame_header(SHARD, len(own)) + own)
+    peer.loop.shutdown(0, peer.gens[0])
+    assert not peer.loop.link_up(0)
+    assert peer.event()[:3] == ("down", 0, peer.gens[0])
+    assert not peer.loop.write(0, peer.gens[0], frame_header(SHARD, len(own)) + own)
+    ours, theirs = socket.socketpair()
+    gen = peer.loop.attach(0, ours.detach(), 1 << 24)  # the link's next connection
+    assert gen == peer.gens[0] + 1
+    assert peer.loop.write(0, gen, frame_header(SHARD, len(own)) + own)
+    theirs.settimeout(5)
+    peer.socks[0].close()
+    peer.socks[0] = theirs
+    assert peer.read(0).key == "python"
+
+
+def test_a_write_waiting_on_a_full_socket_ends_with_the_connection(peer):
+    """A frame the daemon never reads does not hold its writer: the
+    connection's end answers it (False), within the time of the break."""
+    big = encode_shard(job="job", key="big", round=0, offset=0, dtype=pb.DTYPE_FLOAT32,
+                       data=np.zeros(4 << 20, "<f4").tobytes())  # more than the socket buffers
+    result = queue.Queue()
+    writer = threading.Thread(target=lambda: result.put(
+        peer.loop.write(1, peer.gens[1], frame_header(SHARD, len(big)) + big)), daemon=True)
+    writer.start()
+    time.sleep(0.2)
+    assert result.empty()  # waits for the daemon, without the GIL (we run)
+    peer.socks[1].close()
+    assert result.get(timeout=5) is False
+    writer.join(5)

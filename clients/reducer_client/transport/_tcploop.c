@@ -13,6 +13,13 @@
  * link only when it breaks, with the chunks it leaves unanswered, which
  * Python resends on its own path (the rare cases stay there).
  *
+ * Each link's connection is also its DaemonLink's stream (loopstream.py),
+ * so the daemon sees one connection per client: write() sends one of the
+ * link's own frames between the loop's (its caller waits, without the GIL,
+ * until it is written), and a reply that is none of the loop's batches goes
+ * to Python whole. A connection's generation (attach() counts them) tells a
+ * write or an event which connection it is about.
+ *
  * Threads: the loop thread and Python's callers share the state under one
  * mutex (`lock`). The loop thread holds it while it reads, writes and
  * decodes, never while it waits in epoll or holds the GIL: events for Python
@@ -244,6 +251,13 @@ static PyObject *Batch_frame(Batch *b, PyObject *arg) {
 static PyObject *Batch_get_n(Batch *b, void *c) { (void)c; return PyLong_FromLongLong(b->n); }
 static PyObject *Batch_get_active(Batch *b, void *c) { (void)c; return PyBool_FromLong(b->active); }
 static PyObject *Batch_get_nbytes(Batch *b, void *c) { (void)c; return PyLong_FromSize_t(b->block_bytes); }
+static PyObject *Batch_get_daemons(Batch *b, void *c) {
+    (void)c;
+    PyObject *t = PyTuple_New(b->n ? b->nlinks : 0);
+    for (int64_t l = 0; t && b->n && l < b->nlinks; l++)
+        PyTuple_SET_ITEM(t, l, PyBool_FromLong(b->link_start[l + 1] > b->link_start[l]));
+    return t;
+}
 
 static PyMethodDef Batch_methods[] = {
     {"frame", (PyCFunction)Batch_frame, METH_O,
@@ -254,6 +268,7 @@ static PyGetSetDef Batch_getset[] = {
     {"chunks", (getter)Batch_get_n, NULL, "how many chunks", NULL},
     {"active", (getter)Batch_get_active, NULL, "queued on a loop and not yet retired", NULL},
     {"nbytes", (getter)Batch_get_nbytes, NULL, "bytes it holds", NULL},
+    {"daemons", (getter)Batch_get_daemons, NULL, "per link, whether it has chunks", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -484,8 +499,16 @@ done:
 
 /* ---- the Loop type ---- */
 
+/* A frame of the Python path (write()): on its caller's stack while it waits. */
+typedef struct raw_req {
+    struct raw_req *next;
+    const uint8_t *buf; int64_t len;
+    int result; /* 0 waiting, 1 written, -1 the connection ended first */
+} raw_req;
+
 typedef struct {
     int fd, up, replied;
+    uint64_t gen; /* counts attaches: which connection a write or an event is about */
     int64_t max_frame;
     /* receiving: the header, then the body */
     uint8_t header[FRAME_HEADER]; int header_got;
@@ -500,15 +523,18 @@ typedef struct {
     Batch *head, *last; /* the queue: priority first, then submission order */
     Batch *waiting; int64_t waiting_chunk; double waiting_since;
     float *scratch; int64_t scratch_cap;
+    /* the Python path's frames on this connection, in order; raw_cur is being sent */
+    raw_req *raw_head, *raw_last, *raw_cur;
 } link_t;
 
-enum { EV_DONE, EV_ERROR, EV_BAD, EV_DOWN, EV_RELEASE };
+enum { EV_DONE, EV_ERROR, EV_BAD, EV_DOWN, EV_RELEASE, EV_REPLY };
 
 typedef struct event {
     struct event *next;
     int kind;
     Batch *batch; /* EV_DONE, EV_ERROR, EV_BAD, EV_RELEASE: the loop's reference */
     int64_t link, chunk, code, got, expected;
+    uint64_t gen; /* EV_DOWN, EV_REPLY: the connection's */
     char *text; int64_t text_len; /* a message, a STATUS's, a malformed frame's bytes */
     int status_frame, malformed, replied;
     int64_t *orphans; int64_t orphans_n; /* EV_DOWN: (batch index in refs, chunk) pairs */
@@ -518,7 +544,8 @@ typedef struct event {
 typedef struct Loop {
     PyObject_HEAD
     pthread_mutex_t lock; /* guards everything below but `thread`, taken by the loop
-                             thread and by callers (submit, cancel, attach, close) */
+                             thread and by callers (submit, cancel, attach, write, close) */
+    pthread_cond_t written; /* a raw_req's result was set (writers wait on it) */
     pthread_t thread; int started;
     int epfd, wakefd, stop;
     int64_t nlinks; link_t *links;
@@ -636,6 +663,24 @@ static void link_down_errno(Loop *L, int64_t l, int err) {
     link_down(L, l, 14 /* UNAVAILABLE */, text, (int64_t)strlen(text), 0, 0);
 }
 
+/* A reply that is no batch's goes to Python: the Python path's chunks on this
+ * connection (its other keys, resends), or a late one it drops. */
+static void forward_reply(Loop *L, int64_t l, const uint8_t *body, int64_t len) {
+    event_t *e = new_event(EV_REPLY);
+    if (e == NULL) return;
+    e->link = l; e->gen = L->links[l].gen;
+    if (!set_text(e, (const char *)body, len)) { free(e); return; }
+    push_event(L, e);
+}
+
+/* Settle the Python path's frames of link l: the one in progress and the queued. */
+static void fail_raw(Loop *L, link_t *k) {
+    if (k->raw_cur) { k->raw_cur->result = -1; k->raw_cur = NULL; }
+    for (raw_req *r = k->raw_head; r; r = r->next) r->result = -1;
+    k->raw_head = k->raw_last = NULL;
+    pthread_cond_broadcast(&L->written);
+}
+
 /* One whole frame arrived on link l. */
 static void on_frame(Loop *L, int64_t l, double now) {
     link_t *k = &L->links[l];
@@ -665,15 +710,17 @@ static void on_frame(Loop *L, int64_t l, double now) {
         if (b->round == r.round && (size_t)b->key_len == r.key_len
                 && memcmp(b->key, r.key, r.key_len) == 0)
             break;
-    if (b == NULL) return; /* a late reply to a key that gave up, or a repeat */
+    if (b == NULL) { forward_reply(L, l, body, len); return; }
     int64_t lo = b->link_start[l], hi = b->link_start[l + 1] - 1, found = -1;
     while (lo <= hi) {
         int64_t mid = (lo + hi) / 2, i = b->order[mid];
         if ((uint64_t)b->offset[i] == r.offset) { found = i; break; }
         if ((uint64_t)b->offset[i] < r.offset) lo = mid + 1; else hi = mid - 1;
     }
-    if (found < 0 || !(b->state[found] & ST_SENT) || (b->state[found] & (ST_ANSWERED | ST_DETACHED)))
+    if (found < 0 || !(b->state[found] & ST_SENT) || (b->state[found] & (ST_ANSWERED | ST_DETACHED))) {
+        forward_reply(L, l, body, len);
         return;
+    }
     int64_t i = found;
     take_answer(b, i, l, now);
     L->replies_taken++;
@@ -865,9 +912,23 @@ static void pump_send(Loop *L, int64_t l, double now, double *retry_at) {
             }
             k->send_at += n; k->send_left -= n;
             if (k->send_left) continue;
+            if (k->raw_cur) {
+                k->raw_cur->result = 1;
+                k->raw_cur = NULL;
+                pthread_cond_broadcast(&L->written);
+                continue;
+            }
             if (k->cur) handed(k->cur, k->cur_chunk);
             k->cur = NULL;
             L->frames_sent++;
+            continue;
+        }
+        if (k->raw_head) { /* the Python path's frame first: its sender waits for it */
+            raw_req *r = k->raw_head;
+            k->raw_head = r->next;
+            if (k->raw_head == NULL) k->raw_last = NULL;
+            k->raw_cur = r; k->cur = NULL;
+            k->send_at = r->buf; k->send_left = r->len;
             continue;
         }
         Batch *b = k->head;
@@ -897,7 +958,7 @@ static void link_down(Loop *L, int64_t l, int code, const char *text, int64_t te
         count += (b->link_start[l + 1] - b->link_start[l]);
     if (e) {
         e->link = l; e->code = code; e->status_frame = status_frame;
-        e->malformed = malformed; e->replied = k->replied;
+        e->malformed = malformed; e->replied = k->replied; e->gen = k->gen;
         set_text(e, text, text_len);
         e->orphans = malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
         e->orphan_batches = malloc(sizeof(Batch *) * (size_t)(count ? count : 1));
@@ -910,6 +971,7 @@ static void link_down(Loop *L, int64_t l, int code, const char *text, int64_t te
     close(k->fd);
     k->fd = -1; k->up = 0; k->cur = NULL; k->send_left = 0; k->out_armed = 0;
     k->in_body = 0; k->header_got = 0; k->waiting = NULL;
+    fail_raw(L, k);
     Batch *b = k->head;
     /* The down event goes first: the batches it names are alive until theirs. */
     if (e) push_event(L, e);
@@ -994,13 +1056,18 @@ static void dispatch(Loop *L, event_t *events) {
                                  (long long)e->chunk, e->code ? "dtype" : "length",
                                  (long long)e->got, (long long)e->expected);
             break;
+        case EV_REPLY:
+            args = Py_BuildValue("(sLKy#)", "reply", (long long)e->link,
+                                 (unsigned long long)e->gen, e->text, (Py_ssize_t)e->text_len);
+            break;
         case EV_DOWN: {
             PyObject *orphans = PyList_New(e->orphans_n);
             for (int64_t j = 0; orphans && j < e->orphans_n; j++)
                 PyList_SET_ITEM(orphans, j, Py_BuildValue("(LL)",
                                 (long long)e->orphan_batches[j]->token, (long long)e->orphans[j]));
             if (orphans && !PyErr_Occurred())
-                args = Py_BuildValue("(sLiy#iiiN)", "down", (long long)e->link, (int)e->code,
+                args = Py_BuildValue("(sLKiy#iiiN)", "down", (long long)e->link,
+                                     (unsigned long long)e->gen, (int)e->code,
                                      e->text ? e->text : "", (Py_ssize_t)e->text_len,
                                      e->status_frame, e->malformed, e->replied, orphans);
             else
@@ -1053,6 +1120,7 @@ static PyObject *Loop_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     L->nlinks = nlinks;
     for (Py_ssize_t l = 0; l < nlinks; l++) L->links[l].fd = -1;
     pthread_mutex_init(&L->lock, NULL);
+    pthread_cond_init(&L->written, NULL);
     Py_INCREF(on_event);
     L->on_event = on_event;
     L->max_wait_s = max_wait_s;
@@ -1094,6 +1162,7 @@ static void loop_shutdown(Loop *L) {
         while (k->head) retire_kind(L, k->head, EV_RELEASE);
         if (k->fd >= 0) { shutdown(k->fd, SHUT_RDWR); close(k->fd); }
         k->fd = -1; k->up = 0; k->cur = NULL; k->send_left = 0;
+        fail_raw(L, k);
     }
     event_t *events = L->events;
     L->events = L->events_last = NULL;
@@ -1115,6 +1184,7 @@ static void Loop_dealloc(Loop *L) {
     if (L->epfd >= 0) close(L->epfd);
     if (L->wakefd >= 0) close(L->wakefd);
     Py_XDECREF(L->on_event);
+    pthread_cond_destroy(&L->written);
     pthread_mutex_destroy(&L->lock);
     Py_TYPE(L)->tp_free((PyObject *)L);
 }
@@ -1161,8 +1231,59 @@ static PyObject *Loop_attach(Loop *L, PyObject *args) {
     k->rpos = k->rlen = 0; k->drained = 0;
     k->header_got = 0; k->in_body = 0; k->cur = NULL; k->send_left = 0; k->out_armed = 0;
     k->waiting = NULL;
+    uint64_t gen = ++k->gen;
     pthread_mutex_unlock(&L->lock);
+    return PyLong_FromUnsignedLongLong(gen);
+}
+
+/* shutdown(link, gen): end connection `gen` of the link now, as a break (the
+ * Python side stopped reading it); the down event follows. Nothing if it ended. */
+static PyObject *Loop_shutdown(Loop *L, PyObject *args) {
+    Py_ssize_t l;
+    unsigned long long gen;
+    if (!PyArg_ParseTuple(args, "nK", &l, &gen) || !check_link(L, l)) return NULL;
+    pthread_mutex_lock(&L->lock);
+    link_t *k = &L->links[l];
+    int live = k->up && k->gen == gen;
+    if (live) {
+        shutdown(k->fd, SHUT_RDWR);
+        link_down(L, l, 14 /* UNAVAILABLE */, "the client ended the connection", 31, 0, 0);
+    }
+    pthread_mutex_unlock(&L->lock);
+    if (live) wake(L);
     Py_RETURN_NONE;
+}
+
+/* write(link, gen, frame): send one whole frame of the Python path on connection
+ * `gen` of the link, between the loop's frames; blocks (without the GIL) until
+ * it is written. False: that connection is down (or the loop closed) first. */
+static PyObject *Loop_write(Loop *L, PyObject *args) {
+    Py_ssize_t l;
+    unsigned long long gen;
+    Py_buffer frame;
+    if (!PyArg_ParseTuple(args, "nKy*", &l, &gen, &frame)) return NULL;
+    if (!check_link(L, l)) { PyBuffer_Release(&frame); return NULL; }
+    raw_req r = {.buf = frame.buf, .len = frame.len};
+    pthread_mutex_lock(&L->lock);
+    link_t *k = &L->links[l];
+    int ok = k->up && k->gen == gen && L->started && !L->stop && frame.len > 0;
+    if (!ok) {
+        pthread_mutex_unlock(&L->lock);
+        PyBuffer_Release(&frame);
+        Py_RETURN_FALSE;
+    }
+    if (k->raw_last) k->raw_last->next = &r; else k->raw_head = &r;
+    k->raw_last = &r;
+    wake(L);
+    /* The GIL goes before the wait and comes back after the lock is let go:
+     * a caller holding the GIL may be waiting for the lock. */
+    Py_BEGIN_ALLOW_THREADS
+    while (r.result == 0) pthread_cond_wait(&L->written, &L->lock);
+    ok = r.result == 1;
+    pthread_mutex_unlock(&L->lock);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&frame);
+    return PyBool_FromLong(ok);
 }
 
 static PyObject *Loop_link_up(Loop *L, PyObject *arg) {
@@ -1259,7 +1380,13 @@ static PyObject *Loop_counters(Loop *L, PyObject *unused) {
 
 static PyMethodDef Loop_methods[] = {
     {"attach", (PyCFunction)Loop_attach, METH_VARARGS,
-     "attach(link, fd, max_frame_bytes): the loop owns this connected, greeted socket."},
+     "attach(link, fd, max_frame_bytes) -> gen: the loop owns this connected, greeted "
+     "socket, the link's connection `gen`."},
+    {"shutdown", (PyCFunction)Loop_shutdown, METH_VARARGS,
+     "shutdown(link, gen): end that connection now (its down event follows)."},
+    {"write", (PyCFunction)Loop_write, METH_VARARGS,
+     "write(link, gen, frame) -> bool: send one frame on that connection, waiting until "
+     "it is written; False: the connection ended first."},
     {"link_up", (PyCFunction)Loop_link_up, METH_O, "link_up(link) -> bool"},
     {"submit", (PyCFunction)Loop_submit, METH_VARARGS,
      "submit(batch, token, out, f16_out, window, credits): send a key's chunks."},

@@ -1,17 +1,17 @@
 """One daemon: a long-lived link and one stream of shards at a time.
 
 Shards go out through a queue that the transport drains on a thread of its
-own, replies come back on the link's reader thread, so sending and receiving
-overlap and any number of chunks can be in flight. Replies are matched to
-waiting chunks by (key, round, offset); the daemon reports a failed chunk in
-band, so one bad chunk does not end the stream.
+own, replies come back on the link's reader thread: any number of chunks in
+flight. Replies find their chunks by (key, round, offset); the daemon reports
+a failed chunk in band, so one bad chunk does not end the stream.
 
 Transports (base.py): a Control (the daemon's brief status: its data port and
 round timeout) and the transports tried in order at each stream. By default
 the real ones: data_plane "auto" is [TCP data plane, gRPC] (gRPC takes over
 where the daemon offers no data plane, it cannot be reached, or it refused it
 for capacity), "tcp" or "grpc" insist on one; with TLS the data plane runs
-over TLS too. Tests inject the in-process fake (fake.py).
+over TLS too; the C loop's (loopstream.py) replaces plain TCP. Tests inject
+the in-process fake (fake.py).
 
 Recovery: when the stream breaks with a retryable status (errors.py: the
 daemon restarted or went away, or refused the connection for capacity), the
@@ -57,9 +57,7 @@ _CLOSE = object()
 _FIRST_RETRY_DELAY_S, _MAX_RETRY_DELAY_S = 0.05, 1.0
 
 
-class _Resume(NamedTuple):
-    """In an outbox: what a direct send of `message` left, sent before anything."""
-
+class _Resume(NamedTuple):  # in an outbox: what a direct send left, sent before anything
     message: Message
     rest: memoryview
 
@@ -117,17 +115,14 @@ class DaemonLink:
         self.direct_sends = self.direct_rests = 0
 
     @property
-    def reconnects(self) -> int:
-        """Streams opened after the first (each resent what was open)."""
+    def reconnects(self) -> int:  # streams opened after the first (each resent what was open)
         return max(0, self._streams_opened - 1)
 
-    def job_status(self, job: str) -> Any:
-        """The daemon's GetStatus reply for `job` (Control.job_status)."""
+    def job_status(self, job: str) -> Any:  # the daemon's GetStatus (Control.job_status)
         return self._control.job_status(job)
 
     @property
-    def history(self) -> SendHistory:
-        """The completed contributions kept for a resend (tests, diagnostics)."""
+    def history(self) -> SendHistory:  # what is kept for a resend (tests, diagnostics)
         return self._history
 
     def message(self, slot: Slot, nbytes: int) -> Message:
@@ -158,16 +153,22 @@ class DaemonLink:
     def route(self) -> tuple[Control, Transport]:  # the control, the first transport
         return self._control, self._transports[0]
 
-    def streamed_elsewhere(self, transport: str) -> None:  # the C loop's stream counts
+    def use_data_plane(self, transport: Transport) -> None:  # first from now on
         with self._lock:
-            self._streams_opened += 1
-            self.transport = transport
+            self._transports[0] = transport
 
-    def completed_elsewhere(self, key: str, round_: int,
-                            messages: Sequence[tuple[int, Message]] = ()) -> None:
-        """Round round_ of `key` completed on the C loop: drop older contributions to
-        it; keep `messages` ((offset, message)) for the next stream's resend."""
+    def ensure_stream(self) -> None:  # open one now unless one is open (or opening)
         with self._lock:
+            if not self._closed and self._outbox is None:
+                self._open_stream()
+
+    def completed_elsewhere(self, key: str, round_: int, answered: bool = False,
+                            messages: Sequence[tuple[int, Message]] = ()) -> None:
+        """Round round_ of `key` completed on the C loop (answered: here too): drop older
+        contributions to it; keep `messages` ((offset, message)) for the next resend."""
+        with self._lock:
+            if answered:  # as a result on our own stream: the daemon is back
+                self._alive_s, self._retries, self.last_error = time.monotonic(), 0, None
             self._history.supersede(key, round_)
             for offset, message in messages:
                 self._history.completed((key, offset), round_, message, time.monotonic())
@@ -391,8 +392,7 @@ class DaemonLink:
                 self._put(self._outbox, entry.message)
 
 
-def _call(handler: ReplyHandler, reply: ShardView | None, error: ReducerError | None,
-          ) -> None:
+def _call(handler: ReplyHandler, reply: ShardView | None, error: ReducerError | None) -> None:
     """Run a reply handler; a bug in one must not stop the others' replies."""
     try:
         handler(reply, error)

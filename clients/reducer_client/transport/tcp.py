@@ -52,7 +52,6 @@ from reducer_wire.framing import (
 )
 from reducer_wire.tls import TLS_REFUSAL, TlsChannel
 
-from reducer_client.errors import ReducerError, stream_error
 from reducer_client.transport.base import (
     HEADROOM,
     DaemonInfo,
@@ -108,21 +107,21 @@ def dial(host: str, port: int, token: str, connect_timeout_s: float,
     return sock, io
 
 
-def stream_end_error(where: str, address: str, code: int, text: bytes, status_frame: bool,
-                     malformed: bool, replied: bool, transport: TcpTransport | None,
-                     ) -> ReducerError | None:
-    """The error a TcpStream on data port `where` (host:port) ends with, as the
-    link reports it, for the C loop's connections (fastpath.py): `text` is the
-    STATUS message, the malformed frame, or the break's words. None: the
-    daemon ended the stream with OK."""
+def stream_end_error(where: str, code: int, text: bytes, status_frame: bool, malformed: bool,
+                     replied: bool, transport: TcpTransport | None) -> TransportError | None:
+    """What a TcpStream on data port `where` (host:port) raises where a
+    connection the C loop drives (loopstream.py) ended: `text` is the STATUS
+    message, the malformed frame, or the break's words. None: the daemon
+    ended the stream with OK. A refusal for capacity before any reply keeps
+    `transport` off the port for a while, as TcpStream's does."""
     status = status_code_from_value(code)
     if status_frame:
         if status == grpc.StatusCode.OK:
             return None
         if status == grpc.StatusCode.RESOURCE_EXHAUSTED and not replied and transport:
             transport.refused()  # refused for capacity: gRPC for a while
-        details = text.decode("utf-8", "replace")
-    elif malformed:
+        return TransportError(status, text.decode("utf-8", "replace"))
+    if malformed:
         try:
             decode_shard(text)
             details = f"data port {where}: malformed reply"
@@ -130,7 +129,7 @@ def stream_end_error(where: str, address: str, code: int, text: bytes, status_fr
             details = f"data port {where}: malformed reply: {exc}"
     else:
         details = f"data port {where}: {text.decode('utf-8', 'replace')}"
-    return stream_error(status, f"daemon {address}: {details}")
+    return TransportError(status, details)
 
 
 class TcpTransport(Transport):
@@ -155,25 +154,26 @@ class TcpTransport(Transport):
 
     def open(self, requests: Iterator[memoryview], daemon: DaemonInfo,
              ) -> Iterable[ShardView]:
-        port = daemon.data_port
-        if not port:
+        self._check_offered(daemon)
+        stream = TcpStream(self.host, daemon.data_port, self._token, requests,
+                           self._max_message_bytes, self._connect_timeout_s, self._tls_context,
+                           self._server_hostname, on_refused=self._refused)
+        try:
+            stream.connect()
+        except OSError as exc:  # ssl.SSLError is one: a TLS handshake that failed
+            raise _unreachable(daemon.data_port, exc) from None
+        self._streams.add(stream)
+        return stream
+
+    def _check_offered(self, daemon: DaemonInfo) -> None:
+        """NotOffered where the daemon has no data port, or it refused us lately."""
+        if not daemon.data_port:
             raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION,
                              "the daemon offers no TCP data plane (reducerd --data-listen)",
                              quiet=True)
         if time.monotonic() < self._refused_until_s:
             raise NotOffered(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"data port {port} refused a stream for capacity lately")
-        stream = TcpStream(self.host, port, self._token, requests, self._max_message_bytes,
-                           self._connect_timeout_s, self._tls_context, self._server_hostname,
-                           on_refused=self._refused)
-        try:
-            stream.connect()
-        except OSError as exc:  # ssl.SSLError is one: a TLS handshake that failed
-            what = f"{TLS_REFUSAL} with" if isinstance(exc, ssl.SSLError) else "cannot connect to"
-            raise NotOffered(grpc.StatusCode.UNAVAILABLE,
-                             f"{what} data port {port}: {exc}") from None
-        self._streams.add(stream)
-        return stream
+                             f"data port {daemon.data_port} refused a stream for capacity lately")
 
     @property
     def plain(self) -> bool:
@@ -189,17 +189,11 @@ class TcpTransport(Transport):
         drives it itself (the C loop, fastpath.py); NotOffered as open() says."""
         if not self.plain:
             raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION, "the data plane runs over TLS")
-        if not daemon.data_port:
-            raise NotOffered(grpc.StatusCode.FAILED_PRECONDITION,
-                             "the daemon offers no TCP data plane", quiet=True)
-        if time.monotonic() < self._refused_until_s:
-            raise NotOffered(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"data port {daemon.data_port} refused a stream for capacity lately")
+        self._check_offered(daemon)
         try:
             sock, _ = dial(self.host, daemon.data_port, self._token, self._connect_timeout_s)
         except OSError as exc:
-            raise NotOffered(grpc.StatusCode.UNAVAILABLE,
-                             f"cannot connect to data port {daemon.data_port}: {exc}") from None
+            raise _unreachable(daemon.data_port, exc) from None
         return sock
 
     def refused(self) -> None:
@@ -213,6 +207,11 @@ class TcpTransport(Transport):
         """Break the open streams: their readers see the end at once."""
         for stream in list(self._streams):
             stream.shutdown()
+
+
+def _unreachable(port: int, exc: OSError) -> NotOffered:
+    what = f"{TLS_REFUSAL} with" if isinstance(exc, ssl.SSLError) else "cannot connect to"
+    return NotOffered(grpc.StatusCode.UNAVAILABLE, f"{what} data port {port}: {exc}")
 
 
 class TcpStream:
