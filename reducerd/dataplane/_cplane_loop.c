@@ -101,6 +101,10 @@ static void add_conn(Loop *l, cmd_t *cmd) {
     c->job_len = cmd->job_len;
     cmd->job = NULL;
     c->refs = 1;
+    c->lowat = 1;
+    /* Open the window for a whole payload (recvside.ReceiveSide.open_window). */
+    conn_set_lowat(c, WHOLE_MAX);
+    conn_set_lowat(c, 1);
     c->state = ST_HEADER;
     c->interest = EPOLLIN;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
