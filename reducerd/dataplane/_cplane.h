@@ -32,7 +32,9 @@ typedef struct reply {
     struct reply *next;
     Py_buffer view;
     PyObject *job;        /* the str its bytes count against, or NULL */
-    int64_t counted;      /* bytes counted in the budget (take_transport) */
+    char *job_utf8;       /* that job's UTF-8 (malloc'd), for the loop thread */
+    Py_ssize_t job_len;
+    int64_t counted;      /* bytes counted in the budget, until sent or dropped */
     int priority;         /* > 0: before lower ones, put order among equals */
     int last;             /* the status frame: after everything */
     Py_ssize_t sent;
