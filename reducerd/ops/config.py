@@ -87,7 +87,7 @@ class Config:
     # TLS it is served over TLS, with the same certificate and client CA.
     data_listen: str = "auto"
     # What reads plain-TCP data-plane frames and sends their replies: "c", a C
-    # thread (reducerd.dataplane.cloop; the Python loop where it is not built),
+    # thread (reducerd.dataplane.cloop; the event loop where it is not built),
     # or "python", the event loop (reducerd.dataplane.loop_reader). TLS
     # connections keep their reader and writer threads either way.
     data_loop: str = DEFAULT_DATA_LOOP

@@ -23,9 +23,10 @@ MAX_THREADS = 1024
 # Measured (scripts/daemon_threads.py): the summing threads' hand-off costs ~45 us per
 # contribution, as much as adding 0.5 MiB of float16 with the C kernel.
 DEFAULT_POOL_CHUNK_BYTES = 1 << 20
-# What reads plain-TCP data-plane frames (Config.data_loop).
+# What reads plain-TCP data-plane frames (Config.data_loop): the C loop where
+# it is built (reducerd.dataplane.cloop), else the event loop.
 DATA_LOOPS = ("c", "python")
-DEFAULT_DATA_LOOP = "python"
+DEFAULT_DATA_LOOP = "c"
 
 
 def available_cpus() -> int:
