@@ -172,6 +172,38 @@ def test_a_reset_connection_is_closed_once(rig):
     assert r.budget.transport_bytes == 0
 
 
+def test_a_sent_replys_bytes_come_back_without_python_taking_events(rig):
+    """A reply's bytes leave its job's share once sent, on the loop thread: a
+    job whose clients read must not wait for Python's next wake-up for room."""
+    r = rig()
+    reply = frame(SHARD, b"r" * 1000)
+    r.budget.take_transport(len(reply), "j")
+    r.loop.send(7, r.fd, reply, 0, "j", len(reply))
+    r.client.settimeout(5)
+    got = b""
+    while len(got) < len(reply):
+        got += r.client.recv(1 << 16)
+    assert got == reply
+    deadline = time.monotonic() + 5
+    while r.budget.job_transport_bytes("j") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.budget.job_transport_bytes("j") == 0 and r.budget.transport_bytes == 0
+
+
+def test_a_payload_waits_in_the_kernel_until_whole(rig):
+    """Below WHOLE_MAX a payload is not received (no buffer, no slot) until all
+    of it is there; then it arrives whole."""
+    r = rig()
+    payload = os.urandom(200_000)
+    data = frame(SHARD, payload)
+    r.client.sendall(data[:-1000])
+    assert r.events(1, timeout_s=0.3) == []
+    assert r.loop.payloads == 0  # no slot, no buffer for the stalled payload
+    r.client.sendall(data[-1000:])
+    (event,) = r.events(1)
+    assert event[0] == _cplane.EV_FRAME and bytes(memoryview(event[2])) == payload
+
+
 def _kernel_buffering_bytes():
     """The most a loopback connection's send and receive buffers can hold together."""
     total = 0
