@@ -4,7 +4,7 @@
  *
  * Reading: a frame's 5-byte header (reducer_wire.framing: kind, then the
  * payload's length, little-endian), checked as framing.parse_header checks
- * it; then, before any payload byte is read (reducerd.dataread has the
+ * it; then, before any payload byte is read (reducerd.dataplane.loop_reader has the
  * same bounds in Python):
  * - its job's share of the budget has room (budget_job_has_room);
  * - its length is reserved from the budget, waiting up to reserve_wait_s

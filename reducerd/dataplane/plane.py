@@ -8,7 +8,10 @@ a plain-TCP connection's frames itself (reducerd.dataplane.loop_reader: the loop
 selector, non-blocking receives straight into a fresh buffer per frame, no
 copy and no thread hand-off), while a TLS connection's thread goes on
 reading its frames (over reducer_wire.tls.TlsChannel) and hands each shard
-to the loop. Each reply's frame is one buffer that the result was narrowed
+to the loop. With data_loop "c" (reducerd.dataplane.cloop) a C thread reads
+the plain-TCP connections' frames instead and sends their replies, and the
+loop thread sees one event per whole frame; TLS connections are served as
+above either way. Each reply's frame is one buffer that the result was narrowed
 into (reducerd.core.replies); the loop sends it itself where the socket takes it
 at once without blocking, else the connection's writer thread sends the rest
 (reducerd.dataplane.outbox). Socket calls release the GIL, so sending runs beside the
