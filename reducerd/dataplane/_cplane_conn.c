@@ -40,6 +40,7 @@
 #include <time.h>
 
 #define SKIP_BYTES 65536
+#define PIECES_LOWAT_MAX (1 << 20)  /* recvside._PIECES_LOWAT_MAX */
 #define FRAMES_PER_WAKE 4
 #define KIND_HELLO 1
 #define KIND_SHARD 2
@@ -283,6 +284,15 @@ static void hand_over(Loop *l, conn_t *c) {
     loop_emit(l, &ev);
 }
 
+/* A payload read in pieces: readable once its rest is there, or PIECES_LOWAT_MAX
+ * of it (recvside.ReceiveSide.wake_for_rest). Never more than what is missing:
+ * a mark the rest cannot reach would leave it to the deadline. */
+static int await_rest(conn_t *c) {
+    int64_t missing = c->length - c->got;
+    conn_set_lowat(c, (int)(missing < PIECES_LOWAT_MAX ? missing : PIECES_LOWAT_MAX));
+    return 0;
+}
+
 /* One step as far as the socket allows: 1 when a frame was handled (another
  * may follow), 0 when it must wait. */
 static int step(Loop *l, conn_t *c) {
@@ -318,7 +328,7 @@ static int step(Loop *l, conn_t *c) {
     case ST_PAYLOAD:
         if (c->got < c->length) {
             n = receive(c, c->payload + c->got, (size_t)(c->length - c->got));
-            if (n == -1) return 0;
+            if (n == -1) return await_rest(c);
             if (n == -2) { conn_close(l, c); return 0; }
             if (n == 0) {
                 char message[128];
@@ -329,7 +339,7 @@ static int step(Loop *l, conn_t *c) {
                 return 0;
             }
             c->got += n;
-            if (c->got < c->length) return 0;
+            if (c->got < c->length) return await_rest(c);
         }
         hand_over(l, c);
         return 1;
