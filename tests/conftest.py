@@ -36,3 +36,19 @@ def _budget_classes() -> list:
 def budget_class(request):
     """Each MemoryBudget: the Python one, and the C one where it was built."""
     return request.param
+
+
+def _data_loops() -> list:
+    try:
+        from reducerd.dataplane import _cplane  # noqa: F401
+    except ImportError:
+        return ["python", pytest.param("c", marks=pytest.mark.skip("_cplane is not built"))]
+    return ["python", "c"]
+
+
+@pytest.fixture(params=_data_loops())
+def data_loop(request, monkeypatch):
+    """Each loop that reads plain-TCP data-plane frames, for the daemons a test
+    starts (they inherit $REDUCERD_DATA_LOOP): the Python one and the C one."""
+    monkeypatch.setenv("REDUCERD_DATA_LOOP", request.param)
+    return request.param

@@ -225,7 +225,8 @@ class Daemon:
                                     tls_context=self._tls_context("the data plane"),
                                     max_connections=plan.data_connections if plan else None,
                                     receive_buffers=buffers,
-                                    cap_note=plan.cap_note() if plan else "the daemon's cap")
+                                    cap_note=plan.cap_note() if plan else "the daemon's cap",
+                                    data_loop=cfg.data_loop)
         self.servicer.data_port = self.data_plane.start(*address)
         log.info("data plane: %s", buffers.describe())
 

@@ -23,7 +23,7 @@ extern const budget_api *budget_c;
 
 #include <sys/types.h>
 
-enum { ST_HEADER, ST_ADMIT, ST_PAYLOAD, ST_SKIP, ST_DROP, ST_HALF, ST_DONE };
+enum { ST_HEADER, ST_ADMIT, ST_WHOLE, ST_PAYLOAD, ST_SKIP, ST_DROP, ST_HALF, ST_DONE };
 enum { EV_FRAME = 1, EV_END, EV_NO_ROOM, EV_HALF_CLOSE, EV_CLOSED };
 
 /* A reply frame queued for sending: its buffer is a Py_buffer view, so it is
@@ -32,7 +32,9 @@ typedef struct reply {
     struct reply *next;
     Py_buffer view;
     PyObject *job;        /* the str its bytes count against, or NULL */
-    int64_t counted;      /* bytes counted in the budget (take_transport) */
+    char *job_utf8;       /* that job's UTF-8 (malloc'd), for the loop thread */
+    Py_ssize_t job_len;
+    int64_t counted;      /* bytes counted in the budget, until sent or dropped */
     int priority;         /* > 0: before lower ones, put order among equals */
     int last;             /* the status frame: after everything */
     Py_ssize_t sent;
@@ -49,6 +51,8 @@ typedef struct conn {
     int64_t length, got, left;  /* the frame; left: bytes still to skip */
     char *payload;              /* malloc'd once admitted; handed to Python whole */
     int reserved, slot, with_job, pressure_noted;
+    int in_pieces, waited_whole;  /* how this payload is read (_cplane_conn.c) */
+    int lowat;                  /* the socket's SO_RCVLOWAT */
     double reserve_deadline, frame_deadline, drop_deadline, send_stalled_since;
     char *job;                  /* its job's UTF-8 (set once), or NULL */
     Py_ssize_t job_len;
@@ -118,7 +122,13 @@ typedef struct {
 
 extern PyTypeObject LoopType, PayloadType;
 
+/* Payloads up to this size wait in the kernel until they are whole
+ * (reducerd.dataplane.recvside.WHOLE_MAX); the receive buffer a connection
+ * is given before its first frame holds one. */
+#define WHOLE_MAX (4 << 20)
+
 /* _cplane_conn.c (loop thread) */
+void conn_set_lowat(conn_t *c, int nbytes);
 double loop_now(void);
 void conn_on_ready(Loop *l, conn_t *c, uint32_t events);
 void conn_check(Loop *l, conn_t *c, double now);  /* deadlines, paused reads */

@@ -4,7 +4,7 @@
  *
  * Reading: a frame's 5-byte header (reducer_wire.framing: kind, then the
  * payload's length, little-endian), checked as framing.parse_header checks
- * it; then, before any payload byte is read (reducerd.dataread has the
+ * it; then, before any payload byte is read (reducerd.dataplane.loop_reader has the
  * same bounds in Python):
  * - its job's share of the budget has room (budget_job_has_room);
  * - its length is reserved from the budget, waiting up to reserve_wait_s
@@ -12,6 +12,11 @@
  *   RESOURCE_EXHAUSTED (EV_NO_ROOM: the message is MemoryBudget.no_room's);
  * - fewer than unsent_frames replies and unsent_bytes (replies unsent plus
  *   frames Python has not taken) wait to be sent;
+ * - a payload of at most WHOLE_MAX bytes waits in the kernel until it is
+ *   all there (SO_RCVLOWAT: one wake-up; FIONREAD says how much is held), so
+ *   a stalled payload holds neither a buffer nor a slot of the daemon's;
+ *   woken with less (the kernel capped the mark, the client ended or
+ *   broke), or above WHOLE_MAX, it is read in pieces;
  * - a payload slot: at most payload_slots payloads alive plane-wide.
  * Where one is not met the connection stops reading (EPOLLIN off: the frame
  * stays in the kernel and TCP slows the client) and is looked at again at
@@ -30,10 +35,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 
 #define SKIP_BYTES 65536
+#define PIECES_LOWAT_MAX (1 << 20)  /* recvside._PIECES_LOWAT_MAX */
 #define FRAMES_PER_WAKE 4
 #define KIND_HELLO 1
 #define KIND_SHARD 2
@@ -45,6 +52,20 @@ double loop_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void conn_set_lowat(conn_t *c, int nbytes) {
+    if (nbytes < 1) nbytes = 1;
+    if (nbytes == c->lowat) return;
+    if (setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &nbytes, sizeof nbytes) == 0)
+        c->lowat = nbytes;
+}
+
+/* Bytes the kernel holds, ready to be received. */
+static int64_t queued(conn_t *c) {
+    int held = 0;
+    if (ioctl(c->fd, FIONREAD, &held) < 0) return 0;
+    return held;
 }
 
 static job_ref frame_job(conn_t *c) {
@@ -80,6 +101,7 @@ static void give_back(Loop *l, conn_t *c) {
         __atomic_sub_fetch(&l->slots_taken, 1, __ATOMIC_SEQ_CST);
         c->slot = 0;
     }
+    conn_set_lowat(c, 1);
 }
 
 /* Read and drop until the client closes (or linger_s from now, if > 0). */
@@ -160,6 +182,8 @@ static int on_header(Loop *l, conn_t *c) {
     c->reserve_deadline = 0;
     c->frame_deadline = 0;
     c->pressure_noted = 0;
+    c->in_pieces = c->length > WHOLE_MAX;
+    c->waited_whole = 0;
     c->state = ST_ADMIT;
     return admit(l, c);
 }
@@ -209,6 +233,17 @@ static int admit(Loop *l, conn_t *c) {
         __atomic_store_n(&l->slot_waiters, 1, __ATOMIC_SEQ_CST);  /* a Payload's free wakes it */
         return 0;
     }
+    if (c->frame_deadline == 0)  /* the payload starts: its deadline runs from here */
+        c->frame_deadline = loop_now() + l->frame_timeout_s;
+    if (!c->in_pieces && queued(c) < c->length) {
+        if (!c->waited_whole) {  /* the first look: wait for the rest in the kernel */
+            c->waited_whole = 1;
+            conn_set_lowat(c, (int)c->length);
+            c->state = ST_WHOLE;
+            return 0;
+        }
+        c->in_pieces = 1;  /* woken with less: the mark was capped, or the client ended */
+    }
     if (!c->slot) {
         if (__atomic_add_fetch(&l->slots_taken, 1, __ATOMIC_SEQ_CST) > l->payload_slots) {
             __atomic_sub_fetch(&l->slots_taken, 1, __ATOMIC_SEQ_CST);
@@ -223,7 +258,6 @@ static int admit(Loop *l, conn_t *c) {
         return 0;
     }
     c->got = 0;
-    c->frame_deadline = loop_now() + l->frame_timeout_s;
     c->state = ST_PAYLOAD;
     return 1;
 }
@@ -243,10 +277,20 @@ static void hand_over(Loop *l, conn_t *c) {
     }
     c->payload = NULL;
     c->reserved = c->slot = 0;  /* the Payload object gives both back */
+    conn_set_lowat(c, 1);
     __atomic_add_fetch(&c->promised_bytes, c->length, __ATOMIC_SEQ_CST);
     __atomic_add_fetch(&c->refs, 1, __ATOMIC_SEQ_CST);  /* the Payload's */
     c->state = ST_HEADER;
     loop_emit(l, &ev);
+}
+
+/* A payload read in pieces: readable once its rest is there, or PIECES_LOWAT_MAX
+ * of it (recvside.ReceiveSide.wake_for_rest). Never more than what is missing:
+ * a mark the rest cannot reach would leave it to the deadline. */
+static int await_rest(conn_t *c) {
+    int64_t missing = c->length - c->got;
+    conn_set_lowat(c, (int)(missing < PIECES_LOWAT_MAX ? missing : PIECES_LOWAT_MAX));
+    return 0;
 }
 
 /* One step as far as the socket allows: 1 when a frame was handled (another
@@ -278,10 +322,13 @@ static int step(Loop *l, conn_t *c) {
         return on_header(l, c);
     case ST_ADMIT:
         return admit(l, c);
+    case ST_WHOLE:  /* woken: all there, or it is read in pieces */
+        c->state = ST_ADMIT;
+        return admit(l, c);
     case ST_PAYLOAD:
         if (c->got < c->length) {
             n = receive(c, c->payload + c->got, (size_t)(c->length - c->got));
-            if (n == -1) return 0;
+            if (n == -1) return await_rest(c);
             if (n == -2) { conn_close(l, c); return 0; }
             if (n == 0) {
                 char message[128];
@@ -292,7 +339,7 @@ static int step(Loop *l, conn_t *c) {
                 return 0;
             }
             c->got += n;
-            if (c->got < c->length) return 0;
+            if (c->got < c->length) return await_rest(c);
         }
         hand_over(l, c);
         return 1;
@@ -431,12 +478,14 @@ void conn_check(Loop *l, conn_t *c, double now) {
         conn_close(l, c);  /* no progress for the send timeout */
         return;
     }
-    if (c->state == ST_PAYLOAD && now > c->frame_deadline) {
+    if ((c->state == ST_PAYLOAD || c->state == ST_WHOLE) && now > c->frame_deadline) {
         char message[256];
+        int64_t arrived = c->state == ST_PAYLOAD ? c->got : queued(c);
+        if (arrived > c->length) arrived = c->length;
         snprintf(message, sizeof message,
                  "a frame of %lld bytes did not arrive within %g s of its header "
                  "(%lld of %lld bytes arrived by the deadline)",
-                 (long long)c->length, l->frame_timeout_s, (long long)c->got,
+                 (long long)c->length, l->frame_timeout_s, (long long)arrived,
                  (long long)c->length);
         fail(l, c, CODE_DEADLINE_EXCEEDED, message, l->linger_s);
     } else if (c->state == ST_DROP && c->drop_deadline && now > c->drop_deadline) {

@@ -66,6 +66,14 @@ void loop_emit(Loop *l, event_t *ev) {
 }
 
 void loop_release(Loop *l, reply_t *r) {
+    /* Its bytes come back at once (the budget needs no GIL): a sent reply
+     * must not hold its job's share or the accumulators' room until Python
+     * next wakes; only its buffer waits for the GIL. */
+    if (r->counted) {
+        job_ref job = {r->job_utf8, r->job_len};
+        budget_c->give_transport(l->budget, r->counted, job);
+        r->counted = 0;
+    }
     pthread_mutex_lock(&l->out_lock);
     r->next = l->released;
     l->released = r;
@@ -101,6 +109,10 @@ static void add_conn(Loop *l, cmd_t *cmd) {
     c->job_len = cmd->job_len;
     cmd->job = NULL;
     c->refs = 1;
+    c->lowat = 1;
+    /* Open the window for a whole payload (recvside.ReceiveSide.open_window). */
+    conn_set_lowat(c, WHOLE_MAX);
+    conn_set_lowat(c, 1);
     c->state = ST_HEADER;
     c->interest = EPOLLIN;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
@@ -360,6 +372,12 @@ static PyObject *queue_reply(Loop *self, PyObject *args, int kind) {
         return NULL;
     }
     if (job != Py_None) {
+        if (copy_job(job, &r->job_utf8, &r->job_len) < 0) {
+            PyBuffer_Release(&r->view);
+            free(r);
+            free(cmd);
+            return NULL;
+        }
         Py_INCREF(job);
         r->job = job;
     }
@@ -387,6 +405,7 @@ static void release_replies(Loop *self, reply_t *r) {
         }
         PyBuffer_Release(&r->view);
         Py_XDECREF(r->job);
+        free(r->job_utf8);
         free(r);
         r = next;
     }

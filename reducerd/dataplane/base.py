@@ -111,6 +111,9 @@ class Plane(Protocol):
     def forget(self, conn: Any) -> None:
         """The connection ended: uncount it."""
 
+    def read_plain(self, conn: Any) -> None:
+        """Hand a registered plain-TCP connection's frames to the loop that reads them."""
+
     def call(self, function: Any, *args: Any) -> None:
         """Run function(*args) on the loop thread, in the order called."""
 

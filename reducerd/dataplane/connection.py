@@ -71,7 +71,6 @@ from reducerd.dataplane.base import (
     UNSENT_FRAMES,
     Plane,
 )
-from reducerd.dataplane.loop_reader import LoopReader
 from reducerd.dataplane.outbox import GONE, ThreadOutbox
 from reducerd.service.session import END, DecodeFault, Stream, daemon_fault_message, decode_request
 
@@ -101,7 +100,9 @@ class Connection:
         self.ticking = False  # a payload's receive tick, kept across frames (_idle)
         self.registered = False  # a Stream of the session (its writer starts on need)
         self.counted_job: str | None = None  # its token's job, counted by the plane
-        self.loop_reader: LoopReader | None = None  # plain TCP: the loop reads its frames
+        self.loop_reader: Any = None  # plain TCP on the Python loop: its LoopReader
+        self.on_loop = False  # plain TCP: a loop (Python's or C's) reads its frames
+        self.c_id = 0  # on the C loop: its id there (reducerd.dataplane.cloop)
 
     def serve(self) -> None:
         plane, limits = self.plane, self.plane.limits
@@ -120,9 +121,8 @@ class Connection:
                 return
             plane.call(plane.session.open_stream, self.stream)
             if self.io is self.sock:  # over TLS only the writer thread writes, this one reads
-                self.outbox.direct = self.sock
-                self.loop_reader = LoopReader(self, plane.payload_slots)
-                plane.call(self.loop_reader.start)  # this thread ends here
+                self.on_loop = True
+                plane.read_plain(self)  # this thread ends here
                 return
             self._read_shards()
         except OSError as exc:
@@ -141,7 +141,7 @@ class Connection:
                 plane.forget(self)
                 self.sock.close()
         finally:
-            if self.loop_reader is None:
+            if not self.on_loop:
                 self.reader_done.set()
 
     def _handshake(self, deadline_s: float) -> tuple[Any, str] | None:

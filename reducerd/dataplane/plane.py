@@ -8,7 +8,10 @@ a plain-TCP connection's frames itself (reducerd.dataplane.loop_reader: the loop
 selector, non-blocking receives straight into a fresh buffer per frame, no
 copy and no thread hand-off), while a TLS connection's thread goes on
 reading its frames (over reducer_wire.tls.TlsChannel) and hands each shard
-to the loop. Each reply's frame is one buffer that the result was narrowed
+to the loop. With data_loop "c" (reducerd.dataplane.cloop) a C thread reads
+the plain-TCP connections' frames instead and sends their replies, and the
+loop thread sees one event per whole frame; TLS connections are served as
+above either way. Each reply's frame is one buffer that the result was narrowed
 into (reducerd.core.replies); the loop sends it itself where the socket takes it
 at once without blocking, else the connection's writer thread sends the rest
 (reducerd.dataplane.outbox). Socket calls release the GIL, so sending runs beside the
@@ -52,7 +55,9 @@ from reducer_wire.framing import shutdown_quietly
 
 from reducerd.core.limits import Credit, MemoryBudget, StreamCount
 from reducerd.dataplane.base import BACKLOG_FRAMES, ConnectionLimits, PayloadSlots
+from reducerd.dataplane.cloop import CDataLoop, c_loop_available
 from reducerd.dataplane.connection import Connection
+from reducerd.dataplane.loop_reader import LoopReader
 from reducerd.ops.descriptors import REFUSING_AT_MOST
 from reducerd.ops.receive_buffers import ReceiveBuffers
 from reducerd.service.access import Access
@@ -80,9 +85,10 @@ class DataPlane:
                  budget: MemoryBudget | None = None, max_handshaking: int | None = None,
                  max_connections: int | None = None,
                  receive_buffers: ReceiveBuffers | None = None,
-                 cap_note: str = "the daemon's cap") -> None:
+                 cap_note: str = "the daemon's cap", data_loop: str = "python") -> None:
         """`receive_buffers`: the kernel buffers' total (default: the budget's
-        limit); `cap_note`: where max_connections came from, for the refusal."""
+        limit); `cap_note`: where max_connections came from, for the refusal;
+        `data_loop`: what reads plain-TCP frames, "c" or "python" (Config.data_loop)."""
         self.session = session
         self.loop = loop
         self.access = access
@@ -117,6 +123,16 @@ class DataPlane:
         # wake-up of the loop (call_soon_threadsafe) runs all queued by then.
         self._calls: deque[tuple[Any, tuple[Any, ...]]] = deque()
         self._calls_scheduled = False
+        # Plain-TCP connections' frames: read by the C loop's thread ("c",
+        # reducerd.dataplane.cloop) or by this loop's (reducerd.dataplane.loop_reader).
+        self.c_loop: CDataLoop | None = None
+        if data_loop == "c":
+            why_not = c_loop_available(self.budget)
+            if why_not is None:
+                self.c_loop = CDataLoop(session, loop, self.budget, self.limits)
+            else:
+                log.warning("data plane: the C data loop is not available (%s); plain-TCP "
+                            "frames are read by the Python loop", why_not)
 
     @property
     def handshaking(self) -> int:
@@ -140,6 +156,10 @@ class DataPlane:
                                f"{exc.strerror or exc}") from None
         listener.settimeout(_ACCEPT_POLL_S)  # the accept loop sees stop() within this
         self._listener = listener
+        if self.c_loop is not None:
+            self.c_loop.start()
+        log.info("data plane: plain-TCP frames read by the %s loop",
+                 "C" if self.c_loop is not None else "Python")
         threading.stack_size(_THREAD_STACK_BYTES)  # for the threads started from now on
         threading.Thread(target=self._accept_loop, daemon=True,
                          name="reducerd-data-accept").start()
@@ -215,12 +235,25 @@ class DataPlane:
                     refusal = f"{refusal}: {self.cap_note}"
                 return grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
             self._connections.add(conn)
+            if self.c_loop is not None and conn.io is conn.sock:
+                # Before anything can be put into it: stop() may end it from now on.
+                conn.outbox = conn.stream.outbox = self.c_loop.outbox_for(conn)
             conn.counted_job = conn.stream.job  # its job may be set later, by a shard
             self._counts.add(conn.counted_job)
             # Under the lock: forget() gives it back after, never before.
             self.receive_buffers.admit(conn, conn.sock, conn.counted_job)
             conn.registered = True
             return None
+
+    def read_plain(self, conn: Connection) -> None:
+        """Hand a registered plain-TCP connection's frames to the loop that
+        reads them (its reader thread, which ends then)."""
+        if self.c_loop is not None:
+            self.call(self.c_loop.adopt, conn)
+            return
+        conn.outbox.direct = conn.sock
+        conn.loop_reader = LoopReader(conn, self.payload_slots)
+        self.call(conn.loop_reader.start)
 
     def forget(self, conn: Connection) -> None:
         with self._lock:

@@ -21,6 +21,8 @@ from reducerd.ops.busy import DEFAULT_POOL_BUSY_CORES
 from reducerd.ops.options import (
     _FLAGS,
     _HELP,
+    DATA_LOOPS,
+    DEFAULT_DATA_LOOP,
     DEFAULT_LISTEN,
     DEFAULT_MAX_WORLD_SIZE,
     DEFAULT_POOL_CHUNK_BYTES,
@@ -84,6 +86,11 @@ class Config:
     # any free port (GetStatus tells clients which), HOST:PORT, or "off". Under
     # TLS it is served over TLS, with the same certificate and client CA.
     data_listen: str = "auto"
+    # What reads plain-TCP data-plane frames and sends their replies: "c", a C
+    # thread (reducerd.dataplane.cloop; the event loop where it is not built),
+    # or "python", the event loop (reducerd.dataplane.loop_reader). TLS
+    # connections keep their reader and writer threads either way.
+    data_loop: str = DEFAULT_DATA_LOOP
     # Summing threads (reducerd.core.summing); 1: the event loop's thread sums inline.
     threads: int = field(default_factory=available_cpus)
     # With threads > 1: chunks of at least this many wire bytes per contribution
@@ -154,6 +161,9 @@ class Config:
             parse_host_port(self.metrics_listen, "metrics_listen")
         if self.data_listen not in ("auto", "off"):
             parse_host_port(self.data_listen, "data_listen")
+        if self.data_loop not in DATA_LOOPS:
+            raise ConfigError(f"data_loop: one of {', '.join(DATA_LOOPS)}, got "
+                              f"{self.data_loop!r}")
         self._validate_port_offset()
         for name in ("round_timeout_s", "drain_grace_s", "stalled_after_s",
                      "stream_idle_timeout_s", "job_idle_expiry_s", "grpc_idle_timeout_s"):
@@ -321,7 +331,8 @@ def config_from_args(args: argparse.Namespace,
 
     The daemon's environment is read here and nowhere else: $CREDENTIALS_DIRECTORY
     (systemd's LoadCredential=), $NOTIFY_SOCKET and $WATCHDOG_USEC / $WATCHDOG_PID
-    (systemd's Type=notify and WatchdogSec=), and REDUCER_WIRE_NUMPY.
+    (systemd's Type=notify and WatchdogSec=), REDUCER_WIRE_NUMPY and
+    REDUCERD_DATA_LOOP.
     """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = (_from_toml(args.config) if getattr(args, "config", None)
@@ -330,6 +341,8 @@ def config_from_args(args: argparse.Namespace,
     values["wire_numpy"] = environ.get("REDUCER_WIRE_NUMPY", "") not in ("", "0")
     values["notify_socket"] = environ.get("NOTIFY_SOCKET") or None
     values["watchdog_s"] = _watchdog_s(environ)
+    if environ.get("REDUCERD_DATA_LOOP"):  # below the flag, above the file
+        values["data_loop"] = environ["REDUCERD_DATA_LOOP"]
     for name in _FLAGS.values():
         flag_value = getattr(args, name, None)
         if flag_value is not None:

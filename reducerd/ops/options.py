@@ -11,7 +11,8 @@ from reducerd.core.limits import MAX_OPEN_CHUNKS_PER_JOB
 from reducerd.ops.busy import DEFAULT_POOL_BUSY_CORES
 
 __all__ = ["DEFAULT_LISTEN", "STALLED_AFTER_S", "DEFAULT_MAX_WORLD_SIZE", "MAX_THREADS",
-           "DEFAULT_POOL_CHUNK_BYTES", "WORLD_SIZE_FIELD_MAX", "RELOADABLE", "available_cpus"]
+           "DEFAULT_POOL_CHUNK_BYTES", "WORLD_SIZE_FIELD_MAX", "DATA_LOOPS", "DEFAULT_DATA_LOOP",
+           "RELOADABLE", "available_cpus"]
 
 # Defaults that other modules use too; this is their one home.
 DEFAULT_LISTEN = "127.0.0.1:7070"  # loopback only: `reducerd` alone runs and exposes nothing
@@ -22,6 +23,13 @@ MAX_THREADS = 1024
 # Measured (scripts/daemon_threads.py): the summing threads' hand-off costs ~45 us per
 # contribution, as much as adding 0.5 MiB of float16 with the C kernel.
 DEFAULT_POOL_CHUNK_BYTES = 1 << 20
+# What reads plain-TCP data-plane frames (Config.data_loop). The C loop
+# (reducerd.dataplane.cloop) passes every data-plane test, but measured on
+# 2 shared cores it takes as much daemon CPU per GB as the event loop or more
+# (the copies move to its thread, and each frame crosses threads), so the
+# event loop stays the default.
+DATA_LOOPS = ("c", "python")
+DEFAULT_DATA_LOOP = "python"
 
 
 def available_cpus() -> int:
@@ -63,6 +71,7 @@ _FLAGS = {
     "--job-idle-expiry": "job_idle_expiry_s",
     "--status-max-jobs": "status_max_jobs",
     "--grpc-idle-timeout": "grpc_idle_timeout_s",
+    "--data-loop": "data_loop",
 }
 # What SIGHUP changes in a serving daemon (besides the token); the rest needs a restart.
 RELOADABLE = ("log_level", "stalled_after_s", "stream_idle_timeout_s", "token_grace_s",
@@ -113,6 +122,9 @@ _HELP = {
                        "unless asked for more (default 100)",
     "grpc_idle_timeout_s": "close gRPC connections that carried no call for this many "
                            "seconds (default 30)",
+    "data_loop": f"what reads plain-TCP data-plane frames and sends their replies: 'c' (a C "
+                 f"thread; the event loop where it is not built) or 'python' (the event "
+                 f"loop); also $REDUCERD_DATA_LOOP (default {DEFAULT_DATA_LOOP})",
     "data_listen": "TCP data plane: HOST:PORT, 'auto' (listen host, any free port; "
                    "the default) or 'off'; over TLS under --tls-cert",
 }

@@ -18,6 +18,9 @@ from support import start_daemon
 pytest.importorskip("cryptography")
 from pki import make_pki  # noqa: E402
 
+# Every test on each loop that reads plain-TCP frames (conftest.data_loop).
+pytestmark = pytest.mark.usefixtures("data_loop")
+
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):

@@ -21,6 +21,9 @@ from reducer_wire.codec import decode_shard, encode_shard
 from reducer_wire.framing import HELLO, MAGIC, SHARD, STATUS
 from support import run_workers, start_daemon
 
+# Every test on each loop that reads plain-TCP frames (conftest.data_loop).
+pytestmark = pytest.mark.usefixtures("data_loop")
+
 CASES = [(wire, op, numel, "float32")
          for wire in ("float16", "bfloat16", "float32")
          for op, numel in (("sum", 1001), ("mean", 3 << 20))]

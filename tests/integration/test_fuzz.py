@@ -46,6 +46,9 @@ from reducer_wire.codes import status_code_from_value
 from reducer_wire.framing import MAGIC, SHARD, STATUS
 from support import start_daemon
 
+# Every test on each loop that reads plain-TCP frames (conftest.data_loop).
+pytestmark = pytest.mark.usefixtures("data_loop")
+
 EXAMPLES = int(os.environ.get("REDUCER_FUZZ_EXAMPLES", "300"))
 ROUND_TIMEOUT_S = 2.0
 METHOD = "/reducer.v1.Reducer/Reduce"

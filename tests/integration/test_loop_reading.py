@@ -1,4 +1,5 @@
-"""Plain-TCP frames read on the daemon's event loop (reducerd.dataplane.loop_reader), live.
+"""Plain-TCP frames read on a loop, the event loop's (reducerd.dataplane.loop_reader) or
+the C loop's (reducerd.dataplane.cloop), live.
 
 Past its handshake a plain-TCP connection holds no thread of the daemon's; a
 payload waits in the kernel until it is whole, so stalled payloads hold
@@ -25,7 +26,8 @@ from reducerd.bench.procs import proc_status
 from reducerd.dataplane.base import BACKLOG_FRAMES
 from reducerd.dataplane.recvside import WHOLE_MAX
 
-pytestmark = pytest.mark.timeout(120)
+# Every test on each loop that reads plain-TCP frames (conftest.data_loop).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("data_loop")]
 
 
 def shard(key: str, values: np.ndarray, rank: int = 0, world_size: int = 1) -> bytes:
@@ -177,3 +179,9 @@ def test_a_half_close_after_shards_sent_in_pieces_ends_with_ok(daemon):
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_the_daemon_says_which_loop_reads_its_frames(daemon, data_loop):
+    """--data-loop / $REDUCERD_DATA_LOOP picks the loop; the log says which."""
+    wanted = {"c": "C", "python": "Python"}[data_loop]
+    assert f"plain-TCP frames read by the {wanted} loop" in daemon.log()

@@ -23,7 +23,7 @@ def frame(kind: int, payload: bytes) -> bytes:
 class Rig:
     def __init__(self, limit=64 << 20, max_message=1 << 20, frame_timeout_s=5.0,
                  send_timeout_s=5.0, linger_s=0.5, reserve_wait_s=0.3, slots=16,
-                 unsent_frames=64, unsent_bytes=16 << 20):
+                 unsent_frames=64, unsent_bytes=16 << 20, rcvbuf=None):
         self.budget = _budget.Budget(limit)
         self.loop = _cplane.Loop(self.budget, max_message, frame_timeout_s, send_timeout_s,
                                  linger_s, reserve_wait_s, slots, unsent_frames, unsent_bytes)
@@ -33,6 +33,8 @@ class Rig:
         self.server, _ = listener.accept()
         listener.close()
         self.server.setblocking(False)
+        if rcvbuf is not None:  # fixed before the loop sees it, as receive_buffers does
+            self.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.fd = self.server.fileno()
         self.loop.add(7, self.fd, None)
 
@@ -170,6 +172,57 @@ def test_a_reset_connection_is_closed_once(rig):
     assert [e[0] for e in events] == [_cplane.EV_CLOSED]
     assert r.events(1, timeout_s=0.3) == []
     assert r.budget.transport_bytes == 0
+
+
+def test_a_sent_replys_bytes_come_back_without_python_taking_events(rig):
+    """A reply's bytes leave its job's share once sent, on the loop thread: a
+    job whose clients read must not wait for Python's next wake-up for room."""
+    r = rig()
+    reply = frame(SHARD, b"r" * 1000)
+    r.budget.take_transport(len(reply), "j")
+    r.loop.send(7, r.fd, reply, 0, "j", len(reply))
+    r.client.settimeout(5)
+    got = b""
+    while len(got) < len(reply):
+        got += r.client.recv(1 << 16)
+    assert got == reply
+    deadline = time.monotonic() + 5
+    while r.budget.job_transport_bytes("j") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.budget.job_transport_bytes("j") == 0 and r.budget.transport_bytes == 0
+
+
+def test_a_payload_waits_in_the_kernel_until_whole(rig):
+    """Below WHOLE_MAX a payload is not received (no buffer, no slot) until all
+    of it is there; then it arrives whole."""
+    r = rig()
+    payload = os.urandom(200_000)
+    data = frame(SHARD, payload)
+    r.client.sendall(data[:-1000])
+    assert r.events(1, timeout_s=0.3) == []
+    assert r.loop.payloads == 0  # no slot, no buffer for the stalled payload
+    r.client.sendall(data[-1000:])
+    (event,) = r.events(1)
+    assert event[0] == _cplane.EV_FRAME and bytes(memoryview(event[2])) == payload
+
+
+def test_a_payload_larger_than_a_fixed_receive_buffer_is_read_in_pieces(rig):
+    """Under a fixed SO_RCVBUF (reducerd.ops.receive_buffers' floor) the kernel
+    cannot hold the payload whole: it is read in pieces, and a last piece
+    smaller than the earlier low-water marks still wakes the loop."""
+    import threading
+
+    r = rig(rcvbuf=64 << 10)
+    payload = os.urandom(1 << 20)
+    data = frame(SHARD, payload)
+    sender = threading.Thread(target=r.client.sendall, args=(data[:-1000],), daemon=True)
+    sender.start()
+    sender.join(5)
+    assert not sender.is_alive()  # all but the last 1000 bytes were taken in pieces
+    time.sleep(0.2)
+    r.client.sendall(data[-1000:])
+    (event,) = r.events(1, timeout_s=2)
+    assert event[0] == _cplane.EV_FRAME and bytes(memoryview(event[2])) == payload
 
 
 def _kernel_buffering_bytes():

@@ -217,3 +217,26 @@ def test_the_client_loop_is_on_unless_switched_off():
         assert client_loop_from_env({"REDUCER_CLIENT_C_LOOP": off}) is False
     with pytest.raises(ValueError, match="REDUCER_CLIENT_C_LOOP='maybe': use 1 or 0"):
         client_loop_from_env({"REDUCER_CLIENT_C_LOOP": "maybe"})
+
+
+def test_data_loop_setting_from_flag_environment_and_file(tmp_path):
+    """--data-loop beats $REDUCERD_DATA_LOOP, which beats the TOML file's data-loop."""
+    from reducerd.ops.options import DEFAULT_DATA_LOOP
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def config(*argv, environ=None):
+        return config_from_args(parser.parse_args(list(argv)), environ or {})
+
+    assert config().data_loop == DEFAULT_DATA_LOOP
+    path = tmp_path / "reducerd.toml"
+    path.write_text('data-loop = "c"\n')
+    assert config("--config", str(path)).data_loop == "c"
+    assert config("--config", str(path),
+                  environ={"REDUCERD_DATA_LOOP": "python"}).data_loop == "python"
+    assert config("--data-loop", "c", environ={"REDUCERD_DATA_LOOP": "python"}).data_loop == "c"
+    with pytest.raises(ConfigError, match="data_loop: one of c, python, got 'rust'"):
+        config("--data-loop", "rust")
+    with pytest.raises(ConfigError, match="data_loop: one of c, python, got 'C '"):
+        config(environ={"REDUCERD_DATA_LOOP": "C "})
