@@ -113,7 +113,7 @@ BENCHMARKS = (
               "The compute is scaled to the link of a 100 Gbit/s cluster."),
     Benchmark(
         "training-25gbit",
-        "Training steps at the cloud ratio: BERT-large, 8 workers, compute scaled to 25 Gbit/s links",
+        "Training steps at the cloud ratio: BERT-large, 8 workers, 25 Gbit/s links",
         ("--train", "bert-large", "--workers", "8", "--systems",
          "reducerd-ddp,reducerd-backend,reducerd-optimizer,gloo-ddp-float16", "--steps", "10",
          "--emulate-cluster", "200mbit", "--real-link", "25gbit"),

@@ -1,4 +1,4 @@
-"""The daemon's TCP data plane (protocol: reducer_wire.framing, docs/data-plane.md).
+"""The daemon's TCP data plane (protocol: reducer_wire.framing, docs/reference/wire-protocol.md).
 
 Each connection is a Stream of the Session, like a Reduce call: the shards
 go through the same checks and table, replies and in-band errors are the same

@@ -33,8 +33,6 @@ import page_blocks  # noqa: E402
 
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
 README = ROOT / "README.md"
-# Outside the site (mkdocs.yml's exclude_docs) until their owners move them in.
-MOVING_PAGES = {DOCS / "data-plane.md"}
 
 
 def _env() -> dict[str, str]:
@@ -81,7 +79,7 @@ def test_reference_names_every_client_variable_and_metric():
 def test_pages_speak_of_no_sessions_or_issue_numbers():
     """What is true now, for a user: no history in the docs or the README."""
     for page in [README, *DOCS.rglob("*")]:
-        if page.is_file() and page not in MOVING_PAGES:
+        if page.is_file():
             text = page.read_text(errors="replace")
             assert not re.search(r"session|issue [0-9]", text, re.I), page
 
@@ -122,8 +120,7 @@ def test_readme_is_a_front_page():
     assert len(text.splitlines()) < 150
     assert "make test" in text  # CI's command
     for target in re.findall(r"\]\((docs/[^)#]+)", text):
-        pending = target.removeprefix("docs/") in PENDING_PAGES
-        assert (ROOT / target).exists() or pending, f"README links to a missing {target}"
+        assert (ROOT / target).exists(), f"README links to a missing {target}"
 
 
 @pytest.mark.timeout(90)
@@ -204,10 +201,6 @@ def test_tutorial_blocks_run_against_real_daemons():
 # -- every how-to's code blocks ------------------------------------------------
 
 HOWTOS = sorted((DOCS / "howto").glob("*.md"))
-# Pages other engineers write; until they land, links to them are kept in
-# <!-- pending-link ... --> comments and their nav entries commented out.
-PENDING_PAGES = {
-                 "explanation/data-plane.md"}
 # Pages whose blocks need another interpreter than this one: its bin/ first on PATH.
 PAGE_PYTHON = {"mxnet.md": ROOT / ".venv-mxnet" / "bin"}
 PAGE_TIMEOUT_S = {"keras.md": 120}  # two TensorFlow imports

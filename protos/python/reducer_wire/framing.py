@@ -8,7 +8,7 @@
                        then the message, UTF-8) when the daemon ends the stream.
     frame              uint8 kind, uint32 payload length (little-endian), payload.
 
-docs/data-plane.md holds the whole protocol.
+docs/reference/wire-protocol.md holds the whole protocol.
 """
 
 from __future__ import annotations
