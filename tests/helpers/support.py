@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -129,3 +130,20 @@ def limited_daemon(*args: str, log_dir: Path, as_limit_bytes: int = AS_LIMIT_BYT
     `prelude`: Python run first (e.g. a smaller cap patched into a module)."""
     return start_daemon(*args, log_dir=log_dir, env=env,
                         entry=("-c", _LIMITED_ENTRY.format(int(as_limit_bytes), prelude)))
+
+
+def collect_outputs(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Each process's output, all within one deadline; any still running after
+    (or on a failure) is killed and reaped."""
+    deadline = time.monotonic() + timeout_s
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs

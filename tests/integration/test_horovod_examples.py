@@ -16,12 +16,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from support import running_daemons
+from support import collect_outputs, running_daemons
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "horovod"
@@ -46,17 +45,7 @@ def _run(script: str, args: list[str], cwd: Path, python: str = sys.executable,
             procs.append(subprocess.Popen([python, str(EXAMPLES / script), *args], cwd=cwd,
                                           env=rank_env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + EXAMPLE_TIMEOUT_S
-        outputs = []
-        try:
-            for proc in procs:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                outputs.append(out)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        outputs = collect_outputs(procs, EXAMPLE_TIMEOUT_S)
         for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
             assert proc.returncode == 0, f"{script} rank {rank} exited {proc.returncode}:\n{out}"
         return outputs

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from support import running_daemons  # noqa: E402
+from support import collect_outputs, running_daemons  # noqa: E402
 
 UPSTREAM = (Path(__file__).resolve().parents[2] / "examples" / "horovod" / "upstream"
             / "tensorflow2_synthetic_benchmark.py.orig")
@@ -41,17 +40,7 @@ def test_synthetic_benchmark_runs_by_the_import_change_alone(tmp_path):
                      REDUCER_TIMEOUT="60", OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
                      CUDA_VISIBLE_DEVICES=""))
             for rank in range(2)]
-        deadline = time.monotonic() + TIMEOUT_S
-        outputs = []
-        try:
-            for proc in procs:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                outputs.append(out)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        outputs = collect_outputs(procs, TIMEOUT_S)
     for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{out[-3000:]}"
     assert "Total img/sec on 2 CPU(s)" in outputs[0]
