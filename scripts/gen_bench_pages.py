@@ -53,6 +53,24 @@ class Benchmark:
         return DATA / f"{self.name}.json"
 
 
+# The two training benchmarks differ in their workers and the real link alone.
+_TRAINING_ARGV = ("--systems", "reducerd-ddp,reducerd-backend,reducerd-optimizer,gloo-ddp-float16",
+                  "--steps", "10", "--emulate-cluster", "200mbit")
+_TRAINING_ABOUT = (
+    "Whole data-parallel training steps through the real shim paths: PyTorch DDP "
+    "with reducerd's comm hook (`reducerd-ddp`), DDP with no hook over the "
+    "`reducer` torch.distributed backend (`reducerd-backend`), `DistributedOptimizer` "
+    "(`reducerd-optimizer`) and DDP over Gloo with fp16 compression, on the "
+    "emulated cluster. The accelerator's compute is modeled (each layer sleeps its "
+    "FLOPs on a V100 at a stated utilisation; the model's bytes and the time are "
+    "scaled together, see the JSON's byte_scale and time_scale); autograd, DDP's "
+    "buckets, the client, the daemons and the links are real. *Scaling efficiency* "
+    "is samples/s at N workers over N times samples/s at one; *comm / theory* is the "
+    "communication alone over its line-rate theory (the gradient's bytes on the wire: "
+    "2(N-1)/N of it per link for a ring, once each way for reducerd); every system's "
+    "first step is checked against a float64 reference (*error / bound* at most 1). ")
+
+
 BENCHMARKS = (
     Benchmark(
         "loopback", "Loopback: one 64 MiB allreduce, 4 workers, 2 daemons",
@@ -94,44 +112,17 @@ BENCHMARKS = (
               "when the link sets the pace."),
     Benchmark(
         "training", "Training steps: BERT-large, 1 and 8 workers at 200 Mbit/s",
-        ("--train", "bert-large", "--workers", "1,8", "--systems",
-         "reducerd-ddp,reducerd-backend,reducerd-optimizer,gloo-ddp-float16", "--steps", "10",
-         "--emulate-cluster", "200mbit"),
+        ("--train", "bert-large", "--workers", "1,8", *_TRAINING_ARGV),
         run_s=210, root=True,
-        about="Whole data-parallel training steps through the real shim paths: PyTorch DDP "
-              "with reducerd's comm hook (`reducerd-ddp`), DDP with no hook over the "
-              "`reducer` torch.distributed backend (`reducerd-backend`), `DistributedOptimizer` "
-              "(`reducerd-optimizer`) and DDP over Gloo with fp16 compression, on the "
-              "emulated cluster. The accelerator's compute is modeled (each layer sleeps its "
-              "FLOPs on a V100 at a stated utilisation; the model's bytes and the time are "
-              "scaled together, see the JSON's byte_scale and time_scale); autograd, DDP's "
-              "buckets, the client, the daemons and the links are real. *Scaling efficiency* "
-              "is samples/s at N workers over N times samples/s at one; *comm / theory* is the "
-              "communication alone over its line-rate theory (the gradient's bytes on the wire: "
-              "2(N-1)/N of it per link for a ring, once each way for reducerd); every system's "
-              "first step is checked against a float64 reference (*error / bound* at most 1). "
-              "The compute is scaled to the link of a 100 Gbit/s cluster."),
+        about=_TRAINING_ABOUT + "The compute is scaled to the link of a 100 Gbit/s cluster."),
     Benchmark(
         "training-25gbit",
         "Training steps at the cloud ratio: BERT-large, 8 workers, 25 Gbit/s links",
-        ("--train", "bert-large", "--workers", "8", "--systems",
-         "reducerd-ddp,reducerd-backend,reducerd-optimizer,gloo-ddp-float16", "--steps", "10",
-         "--emulate-cluster", "200mbit", "--real-link", "25gbit"),
+        ("--train", "bert-large", "--workers", "8", *_TRAINING_ARGV, "--real-link", "25gbit"),
         run_s=150, root=True,
-        about="Whole data-parallel training steps through the real shim paths: PyTorch DDP "
-              "with reducerd's comm hook (`reducerd-ddp`), DDP with no hook over the "
-              "`reducer` torch.distributed backend (`reducerd-backend`), `DistributedOptimizer` "
-              "(`reducerd-optimizer`) and DDP over Gloo with fp16 compression, on the "
-              "emulated cluster. The accelerator's compute is modeled (each layer sleeps its "
-              "FLOPs on a V100 at a stated utilisation; the model's bytes and the time are "
-              "scaled together, see the JSON's byte_scale and time_scale); autograd, DDP's "
-              "buckets, the client, the daemons and the links are real. *Scaling efficiency* "
-              "is samples/s at N workers over N times samples/s at one; *comm / theory* is the "
-              "communication alone over its line-rate theory (the gradient's bytes on the wire: "
-              "2(N-1)/N of it per link for a ring, once each way for reducerd); every system's "
-              "first step is checked against a float64 reference (*error / bound* at most 1). "
-              "The compute is scaled to a 25 Gbit/s link per node (`--real-link 25gbit`), the "
-              "common cloud setting: communication weighs four times more than at 100 Gbit/s."),
+        about=_TRAINING_ABOUT + "The compute is scaled to a 25 Gbit/s link per node "
+              "(`--real-link 25gbit`), the common cloud setting: communication weighs four "
+              "times more than at 100 Gbit/s."),
 )
 
 
