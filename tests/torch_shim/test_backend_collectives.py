@@ -73,6 +73,18 @@ def collectives_worker(rank: int, world: int, env: dict[str, str]) -> dict:
                 out[wire, op, "lossy"] = not np.array_equal(
                     t.numpy(), sum(x.astype(np.float64) for x in inputs).astype(np.float32))
 
+        # all_reduce unchecked (the default) of float64, bfloat16, complex and
+        # non-contiguous tensors: 40 calls, under a bounded set of keys.
+        exact_sums = []
+        for i in range(40):
+            dtype = (torch.float32, torch.float64, torch.bfloat16, torch.complex64)[i % 4]
+            t = torch.full((2, 3 + i), float(rank + i)).to(dtype)
+            t = t.t() if i % 5 == 0 else t  # not contiguous: reduced in a host copy
+            dist.all_reduce(t)
+            exact_sums.append(bool(torch.all(t == 2 * i + 1)) and t.dtype == dtype)
+        keys = {k for k in dist.group.WORLD.reducer._rounds if k.startswith("pg/all_reduce/")}
+        out["unchecked"] = (all(exact_sums), len(keys))
+
         # async_op: a Work that is not done before the daemons answer, then is.
         t = torch.full((1 << 16,), float(rank + 1))
         work = dist.all_reduce(t, async_op=True)
@@ -158,6 +170,7 @@ def test_every_collective_and_wire_through_the_daemons(daemons):
                 assert out[wire, op] <= 1.0, (wire, op, out[wire, op])
                 if wire != "float32":  # the wire really was the group's
                     assert out[wire, op, "lossy"], (wire, op)
+        assert out["unchecked"] == (True, 32)  # the keys taken in turn, bounded
         assert out["async"] == (True, True, True, 3.0, 3.0)
         assert out["future"] == [20.0, 20.0, 20.0]
         assert out["exact_sum"] == ([3, 2 ** 41 + 1], [True, False])

@@ -9,6 +9,7 @@ timeout or the group's timeout) an error may surface on two shared cores
 from __future__ import annotations
 
 import datetime
+import re
 import signal
 import threading
 import time
@@ -38,12 +39,14 @@ def _timed(action) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def mismatch_worker(rank: int, world: int, env: dict[str, str]) -> dict:
+def mismatch_worker(rank: int, world: int, env: dict[str, str], check_calls: bool) -> dict:
     """Rank 1 all_reduces one element more; then every rank makes a good call."""
     init_worker(rank, world, env)
     import reducer_client.torch  # noqa: F401
+    from reducer_client.torch.backend import ReducerOptions
 
-    dist.init_process_group("reducer", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("reducer", timeout=datetime.timedelta(seconds=20),
+                            pg_options=ReducerOptions(check_calls=check_calls))
     try:
         out = {"bad": _timed(lambda: dist.all_reduce(torch.ones(100 + rank)))}
         good = torch.full((4,), rank + 1.0)
@@ -54,13 +57,23 @@ def mismatch_worker(rank: int, world: int, env: dict[str, str]) -> dict:
         dist.destroy_process_group()
 
 
-def test_a_mismatched_shape_fails_every_rank_naming_them(daemons):
+# Unchecked (the default) the lengths meet at the daemons (or, both workers on
+# this host, at the node's coordinator; REDUCER_NODE_LOCAL=0: at the daemon),
+# checked in the control round first, which names each rank's shape.
+@pytest.mark.parametrize("check_calls, node_local", [(False, "1"), (False, "0"), (True, "1")],
+                         ids=["unchecked-node-local", "unchecked", "checked"])
+def test_a_mismatched_shape_fails_every_rank_naming_them(daemons, check_calls, node_local):
     with daemons(1, round_timeout=30) as d:
-        results = run_workers(mismatch_worker, 2, (torchrun_env(d.addresses),), timeout=90)
-    for out in results:
+        env = {**torchrun_env(d.addresses), "REDUCER_NODE_LOCAL": node_local}
+        results = run_workers(mismatch_worker, 2, (env, check_calls), timeout=90)
+    for rank, out in enumerate(results):
         bad = out["bad"]
         assert bad["error"] == "ReducerError" and bad["code"] == "INVALID_ARGUMENT", bad
-        assert "rank 0: (100,)" in bad["message"] and "rank 1: (101,)" in bad["message"], bad
+        if check_calls:
+            assert "rank 0: (100,)" in bad["message"] and "rank 1: (101,)" in bad["message"]
+        else:  # the call named, and both lengths
+            assert bad["message"].startswith(f"all_reduce of ({100 + rank},) float32"), bad
+            assert re.search(r"rank \d.* 10[01] .*10[01]", bad["message"]), bad
         assert bad["seconds"] < 5, bad  # one round trip, not a timeout
         assert out["good"] == [3.0] * 4  # the group goes on
 
@@ -200,3 +213,18 @@ def test_a_token_for_another_job_is_refused_on_every_rank(tmp_path):
         assert out["error"] == "ReducerError" and out["code"] == "PERMISSION_DENIED", out
         assert repr(env["REDUCER_JOB"]) in out["message"], out
         assert out["seconds"] < 10, out
+
+
+def test_check_calls_option_follows_torch_distributed_debug(monkeypatch):
+    from reducer_client.torch.backend import ReducerOptions
+
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    assert not ReducerOptions().checks_calls()
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    assert ReducerOptions().checks_calls()
+    assert not ReducerOptions(check_calls=False).checks_calls()
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")
+    assert not ReducerOptions().checks_calls()
+    assert ReducerOptions(check_calls=True).checks_calls()
+    with pytest.raises(TypeError, match="check_calls"):
+        ReducerOptions(check_calls="yes")

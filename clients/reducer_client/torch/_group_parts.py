@@ -22,9 +22,13 @@ from reducer_wire import dtypes
 from torch.distributed.constants import default_pg_timeout
 
 from reducer_client.api import Reducer
+from reducer_client.compression import allreduce_async_on_wire
+from reducer_client.errors import ReducerError
 from reducer_client.horovod import Average, Sum, UnsupportedOpError
 from reducer_client.torch._basics import basics
-from reducer_client.torch.collectives import future_of, synchronize
+from reducer_client.torch._gloo_side import GLOO_INSTEAD
+from reducer_client.torch._tensors import numpy_view, to_numpy
+from reducer_client.torch.collectives import future_of, handle_of, synchronize
 
 __all__ = ["ReducerOptions", "ReducerWork"]
 
@@ -39,10 +43,18 @@ class ReducerOptions:
     buckets) carries what the wire dropped from its last contribution
     (torch/_group_feedback.py); None: on for the 8-bit wires, False: off,
     True: on (an error on any other wire).
+    check_calls: whether all_reduce of one floating-point CPU tensor is
+    checked across ranks first (a control round: a shape or dtype that
+    differs fails every rank at once, naming each rank's shape) or goes
+    straight to the daemons, which check each chunk's length, wire dtype and
+    op (a length that differs fails every rank, naming the ranks; the
+    default, as Gloo and NCCL check nothing). None: checked where
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, torch's switch for such checks.
     """
 
     wire_dtype: str | None = None
     error_feedback: bool | None = None
+    check_calls: bool | None = None
 
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in dtypes.WIRE_DTYPES:
@@ -56,16 +68,72 @@ class ReducerOptions:
             raise ValueError(f"ReducerOptions(error_feedback=True) on the {self.wire_dtype} "
                              f"wire: error feedback is for the 8-bit wires "
                              f"({', '.join(dtypes.EIGHT_BIT_DTYPES)})")
+        if self.check_calls not in (None, True, False):
+            raise TypeError(f"ReducerOptions(check_calls={self.check_calls!r}): "
+                            "None, True or False")
+
+    def checks_calls(self) -> bool:
+        """check_calls, with None resolved from TORCH_DISTRIBUTED_DEBUG."""
+        if self.check_calls is not None:
+            return self.check_calls
+        return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
 _OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average}
 _REFUSED_OPS = ("MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM")
-_GLOO_INSTEAD = ("use a Gloo group for it: dist.new_group(backend=\"gloo\"), or "
-                 "init_process_group(\"cpu:gloo,cuda:reducer\") for CPU tensors")
 # How much longer than the client's timeout Work.wait() waits before it raises
 # itself: the client fails every operation within its timeout (a control round
 # and a data round, one after the other for a gather), this only catches a bug.
 _WAIT_ROUNDS, _WAIT_SLACK_S = 3, 10.0
+
+
+# The keys of a group's unchecked all_reduce calls, taken in turn: bounded, and
+# spread over the daemons (a small key's chunks start at a daemon its name picks).
+CALL_KEYS = 32
+
+
+def call_key(number: int) -> str:
+    """The key of a group's `number`-th unchecked all_reduce (every rank
+    numbers its calls alike: torch's rule that ranks call in the same order)."""
+    return f"pg/all_reduce/{number % CALL_KEYS}"
+
+
+def naming_errors(future: Future, what: str) -> Future:
+    """`future`, its ReducerError naming the user's call `what` (the key on the
+    wire is the backend's own)."""
+    named: Future = Future()
+
+    def settle(done: Future) -> None:
+        exc = done.exception()
+        if exc is None:
+            named.set_result(done.result())
+        elif isinstance(exc, ReducerError):
+            named.set_exception(ReducerError(exc.code, f"{what}: {exc}", exc.retryable))
+        else:
+            named.set_exception(exc)
+    future.add_done_callback(settle)
+    return named
+
+
+def unchecked_allreduce(reducer: Reducer, key: str, tensor: torch.Tensor,
+                        values: torch.Tensor, sent: torch.Tensor, op: str,
+                        wire: str | None) -> int:
+    """Start the all_reduce of `tensor` straight to the daemons under `key`:
+    its handle. `values` is the tensor or its real view (complex), `sent`
+    what goes on the wire in its place (values, or error feedback's host
+    copy). Reduced in place where `sent` has a NumPy view, else in a float32
+    copy written back."""
+    view = numpy_view(sent)
+    array = view.reshape(-1) if view is not None else to_numpy(sent).reshape(-1)
+    what = f"all_reduce of {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+    future = allreduce_async_on_wire(reducer, array, key, op, wire, out=array)
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        if view is None or sent is not values:
+            with torch.no_grad():
+                values.copy_(torch.from_numpy(result).reshape(values.shape))
+        return tensor
+    return handle_of(naming_errors(future, what), finish)
 
 
 def _split_exact(tensors: Sequence[torch.Tensor],
@@ -87,11 +155,6 @@ def _sum_exactly(tensors: Sequence[torch.Tensor], gathered: Sequence[torch.Tenso
             tensor.copy_(total.reshape(tensor.shape).to(tensor.dtype))
 
 
-def _refuse(what: str) -> None:
-    raise NotImplementedError(f"the reducer backend has no {what}: reducerd's daemons "
-                              f"sum and carry no point-to-point traffic; {_GLOO_INSTEAD}")
-
-
 def _op_name(op: Any) -> str:
     """"sum" or "mean" for torch's ReduceOp; UnsupportedOpError for the others."""
     op = getattr(op, "op", op)  # a ReduceOp instance or its RedOpType
@@ -101,7 +164,7 @@ def _op_name(op: Any) -> str:
     refused = next((n for n in _REFUSED_OPS if op == getattr(dist.ReduceOp, n, None)), str(op))
     raise UnsupportedOpError(
         f"the reducer backend cannot do ReduceOp.{refused}: reducerd's daemons only sum, so "
-        f"all_reduce takes ReduceOp.SUM and ReduceOp.AVG; {_GLOO_INSTEAD}")
+        f"all_reduce takes ReduceOp.SUM and ReduceOp.AVG; {GLOO_INSTEAD}")
 
 
 class ReducerWork(dist.Work):
@@ -237,19 +300,6 @@ def _default_client(rank: int, world_size: int, timeout_s: float | None) -> tupl
     environ = {**os.environ, "REDUCER_RANK": str(rank), "REDUCER_WORLD_SIZE": str(world_size)}
     overrides = {} if timeout_s is None else {"timeout": timeout_s}
     return basics.init(ReducerClient.from_env(environ, **overrides)), True
-
-
-def _made_for_cpu(store: dist.Store) -> bool:
-    """Whether torch made this backend for CPU tensors (its store's prefix is "cpu/").
-
-    _new_process_group_helper gives each device's backend PrefixStore(f"{device}/",
-    group store); a key set through ours shows under "cpu/" in the one below.
-    """
-    below = getattr(store, "underlying_store", None)
-    if below is None:
-        return True
-    store.set("reducer/device", "1")
-    return dist.PrefixStore("cpu/", below).check(["reducer/device"])
 
 
 def _check_list(tensors: Sequence[torch.Tensor], like: torch.Tensor, world_size: int,

@@ -8,38 +8,37 @@
 Importing reducer_client.torch (or this module alone) registers the backend
 with torch.distributed.Backend.register_backend, for CPU and CUDA tensors.
 The process group is a Python ProcessGroup over the shim's own collectives
-(collectives.py, broadcasts.py): every call is checked across ranks first,
-so a shape, dtype, op or root that differs fails every rank at once with a
-message naming the ranks; async_op=True gives a Work whose wait(),
-is_completed() and get_future() behave as Gloo's.
-
-What each collective does (docs/howto/torch-distributed.md has the table):
-all_reduce SUM and AVG through the daemons on the group's wire dtype (error
-feedback on the 8-bit wires: _group_feedback.py), exact SUM for integers and
-bool; broadcast, the gathers and scatter exact; reduce_scatter and reduce as
-a whole allreduce; barrier and the object collectives through these; MIN,
-MAX, PRODUCT, the bitwise ops, PREMUL_SUM, send, recv, all_to_all refused.
+(collectives.py, broadcasts.py), which are checked across ranks first (a
+shape, dtype, op or root that differs fails every rank at once, naming the
+ranks), except all_reduce of one floating-point CPU tensor (DDP's buckets):
+that goes straight to the daemons under the group's next call key
+(_group_parts.call_key; torch's rule that ranks call in the same order pairs
+them), whose chunks check length, wire dtype and op; ReducerOptions
+(check_calls=True) or TORCH_DISTRIBUTED_DEBUG=DETAIL checks it too.
+async_op=True gives a Work whose wait(), is_completed() and get_future()
+behave as Gloo's. docs/howto/torch-distributed.md has what each collective
+does: all_reduce SUM and AVG on the group's wire dtype (error feedback on the
+8-bit wires: _group_feedback.py), exact for integers and bool; broadcast, the
+gathers and scatter exact; reduce_scatter and reduce as a whole allreduce;
+MIN, MAX, PRODUCT, the bitwise ops, PREMUL_SUM, send, recv, all_to_all refused.
 
 The client: the default group's is the process-wide one of
-reducer_client.torch.init() (it builds one from the environment, env.py:
-REDUCER_ADDRESSES, REDUCER_JOB, REDUCER_TOKEN, REDUCER_WIRE_DTYPE, ...,
-with torch's rank and world size, so rt.allreduce and the hook share it);
-a client already set with the same rank and world size is used as it is.
-The timeout given to init_process_group becomes the client's timeout for
-each operation; without one (torch's default), REDUCER_TIMEOUT or 60 s.
-Other groups (dist.new_group) use the same client under keys of their own.
+reducer_client.torch.init() (built from the environment, env.py, with
+torch's rank and world size, so rt.allreduce and the hook share it); a client
+already set with the same rank and world size is used as it is. The timeout
+given to init_process_group becomes the client's timeout for each operation;
+without one (torch's default), REDUCER_TIMEOUT or 60 s. Other groups
+(dist.new_group) use the same client under keys of their own.
 
 The device map: torch 2.13 lets a Python ProcessGroup replace the whole
-group (distributed_c10d._new_process_group_helper), so a backend that
-torch made for another device is dropped. Where "reducer" is given an
-accelerator only ("cpu:gloo,cuda:reducer", "cuda:reducer"), this group
-makes its own Gloo backend on the same store and sends every CPU tensor
-there, so CPU collectives (MIN and MAX, send and recv too) run on Gloo and
-accelerator tensors through the daemons.
+group, so a backend torch made for another device is dropped. Where
+"reducer" is given an accelerator only ("cpu:gloo,cuda:reducer"), this group
+makes its own Gloo backend on the same store and sends every CPU tensor there.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -51,21 +50,21 @@ from reducer_client.api import Reducer
 from reducer_client.compression import wire_dtype_of
 from reducer_client.horovod import Sum
 from reducer_client.torch._basics import basics
+from reducer_client.torch._gloo_side import GLOO_INSTEAD, GlooOrRefused, made_for_cpu
 from reducer_client.torch._group_feedback import group_feedback
 from reducer_client.torch._group_parts import (
-    _GLOO_INSTEAD,
     ReducerOptions,
     ReducerWork,
     _AllOf,
     _check_list,
     _default_client,
     _GroupKeys,
-    _made_for_cpu,
     _op_name,
-    _refuse,
     _split_exact,
     _sum_exactly,
     _timeout_s,
+    call_key,
+    unchecked_allreduce,
 )
 from reducer_client.torch.broadcasts import allgather_async, barrier_async, broadcast_async_
 from reducer_client.torch.collectives import (
@@ -79,7 +78,7 @@ __all__ = ["BACKEND_NAME", "ReducerOptions", "ReducerProcessGroup", "ReducerWork
 BACKEND_NAME = "reducer"
 
 
-class ReducerProcessGroup(dist.ProcessGroup):
+class ReducerProcessGroup(GlooOrRefused):
     """A torch.distributed process group whose collectives go through reducerd.
 
     Made by torch (init_process_group / new_group with backend "reducer"):
@@ -106,10 +105,13 @@ class ReducerProcessGroup(dist.ProcessGroup):
         self.reducer: Reducer = client if default else _GroupKeys(
             client, f"pg/{group_name}/", rank, world_size)
         self.timeout_s = self.reducer.timeout
+        # The keys of unchecked all_reduce calls: every rank counts its calls alike.
+        self._calls = itertools.count()
+        self.check_calls = self.options.checks_calls()
         # 8-bit wires: a tensor reduced again carries its last rounding (_group_feedback).
         self.feedback = group_feedback(self.reducer, self.wire, self.options.error_feedback)
         self._cpu: Any = None
-        if not _made_for_cpu(store):
+        if not made_for_cpu(store):
             self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("reducer/gloo/", store),
                                               rank, world_size, timeout)
 
@@ -120,12 +122,6 @@ class ReducerProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # -- routing ---------------------------------------------------------
-
-    def _gloo(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """The Gloo backend for CPU tensors where the device map gave CPU to Gloo."""
-        if self._cpu is not None and all(t.device.type == "cpu" for t in tensors):
-            return self._cpu
-        return None
 
     def _work(self, handles: Sequence[int], outputs: list[torch.Tensor],
               then: Callable[[list[Any]], None] | None = None) -> ReducerWork:
@@ -142,6 +138,9 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if exact and op != Sum:
             raise TypeError(f"all_reduce of {exact[0].dtype}: ReduceOp.AVG needs a "
                             "floating-point tensor (integers and bool take ReduceOp.SUM)")
+        if len(floats) == 1 and not exact and not self.check_calls \
+                and floats[0].device.type == "cpu":
+            return self._allreduce_unchecked(tensors[0], floats[0], op)
         handles, staged = [], []
         if len(floats) == 1:
             sent = self.feedback.stage(floats[0]) if self.feedback is not None else floats[0]
@@ -161,6 +160,15 @@ class ReducerProcessGroup(dist.ProcessGroup):
             _sum_exactly(exact, results[len(handles):])
         return self._work(handles + gathered, list(tensors),
                           finish if exact or staged else None)
+
+    def _allreduce_unchecked(self, tensor: torch.Tensor, values: torch.Tensor,
+                             op: str) -> dist.Work:
+        """all_reduce of one CPU floating-point tensor with no control round
+        (ReducerOptions.check_calls); `values` is `tensor` or its real view."""
+        sent = self.feedback.stage(values) if self.feedback is not None else values
+        handle = unchecked_allreduce(self.reducer, call_key(next(self._calls)), tensor,
+                                     values, sent, op, self.wire)
+        return self._work([handle], [tensor])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -310,7 +318,7 @@ class ReducerProcessGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp)
         if not whole.is_floating_point():
             raise TypeError(f"reduce_scatter of {whole.dtype}: the reducer backend reduces "
-                            f"floating-point tensors here; {_GLOO_INSTEAD}")
+                            f"floating-point tensors here; {GLOO_INSTEAD}")
         handle = allreduce_async_(whole, op=op, compression=self.wire, reducer=self.reducer)
         rank, world = self.reducer.rank, self.size()
 
@@ -323,44 +331,6 @@ class ReducerProcessGroup(dist.ProcessGroup):
         if self._cpu is not None:  # the device map gave Gloo the CPU: a CPU program's barrier
             return self._cpu.barrier(opts) if opts is not None else self._cpu.barrier()
         return self._work([barrier_async(reducer=self.reducer)], [])
-
-    # -- refused ---------------------------------------------------------------
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        gloo = self._gloo(tensors)
-        if gloo is not None:
-            return gloo.send(tensors, dst, tag)
-        _refuse("send")
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        gloo = self._gloo(tensors)
-        if gloo is not None:
-            return gloo.recv(tensors, src, tag)
-        _refuse("recv")
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
-        gloo = self._gloo(tensors)
-        if gloo is not None:
-            return gloo.recv_anysource(tensors, tag)
-        _refuse("recv from any source")
-
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                 opts: Any = None) -> dist.Work:
-        gloo = self._gloo([*outputs, *inputs])
-        if gloo is not None:
-            return gloo.alltoall(outputs, inputs, opts)
-        _refuse("all_to_all")
-
-    def alltoall_base(self, output: torch.Tensor, tensor: torch.Tensor,
-                      output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: Any = None) -> dist.Work:
-        gloo = self._gloo([output, tensor])
-        if gloo is not None:
-            return gloo.alltoall_base(output, tensor, output_split_sizes, input_split_sizes,
-                                      opts)
-        _refuse("all_to_all_single")
-
-    all_to_all_single = alltoall_base
 
     # -- lifetime --------------------------------------------------------------
 

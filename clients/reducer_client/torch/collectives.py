@@ -94,6 +94,11 @@ def _handle(future: Future, finish: Callable[[Any], Any],
     return handle
 
 
+def handle_of(future: Future, finish: Callable[[Any], Any]) -> int:
+    """A handle for `future` (synchronize gives finish(its result))."""
+    return _handle(future, finish)
+
+
 def poll(handle: int) -> bool:
     """Whether the operation of `handle` has finished (synchronize will not block)."""
     with _handles_lock:
