@@ -242,11 +242,13 @@ class FastPath:
             log.exception("client loop: handling %s %r failed", kind, args)
 
     def _flight(self, token: int, last: bool) -> _Flight | None:
+        """The flight of `token`; `last`: its batch is done on the loop. Its
+        operation stays known as the loop's until settled() (which it is told
+        next): that round is the loop's, its batch the key's next spare."""
         with self._lock:
             flight = self._flights.get(token)
             if last and flight is not None:
                 del self._flights[token]
-                self._by_operation.pop(id(flight.operation), None)
             return flight
 
     def _on_done(self, token: int, answered: int) -> None:

@@ -335,3 +335,36 @@ def test_a_token_refused_fails_as_on_the_python_path(tmp_path, token):
     assert loop_error.code == python_error.code, (loop_error, python_error)
     assert str(loop_error) == str(python_error)
     assert loop_s < 3 + 2.0 and python_s < 3 + 2.0
+
+
+def test_a_key_reduced_again_reuses_its_frames_and_keeps_its_last_round(tmp_path):
+    """Round after round of one key on the loop: the frames of the round
+    before last are the next round's (no fresh pages per round: the client's
+    minor page faults stay far below the frames' pages), and the last
+    completed round is kept for a restarted daemon (fastpath._remember)."""
+    import resource
+
+    d = start_daemon(log_dir=tmp_path)
+    try:
+        with ReducerClient([d.address], job="reuse", rank=0, world_size=1,
+                           wire_dtype="float16", data_plane="tcp", environ=ON) as client:
+            assert client.c_loop is not None
+            # Frames of 34 MiB: above glibc's largest mmap threshold (32 MiB), so
+            # that frames made anew would be fresh pages every round.
+            values = np.arange(17 << 20, dtype=np.float32) % 1000
+            out = np.empty_like(values)
+            client.allreduce(values, key="k", out=out)
+            assert client.c_loop.wait_ready(10)
+            for _ in range(3):  # the loop's rounds begin; the spares are made
+                client.allreduce(values, key="k", out=out)
+            rounds, before = 8, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(rounds):
+                client.allreduce(values, key="k", out=out)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            np.testing.assert_array_equal(out, values)
+            frame_pages = values.size * 2 // resource.getpagesize()
+            assert faults < rounds * frame_pages // 8, (faults, frame_pages)
+            assert client.c_loop.keys_sent >= rounds + 3
+            assert client.c_loop._done["k"].round == client._rounds["k"] - 1
+    finally:
+        d.stop()
