@@ -2,8 +2,7 @@
 
 The shims' allreduce, broadcast, allgather and grouped allreduce (and the
 DistributedOptimizer's steps) each start with a *control round*: one small
-float32 sum under the key "hvd/control/i" (i: the round's number modulo
-DATA_KEYS) in which every rank writes a row
+float32 sum under the key "hvd/control" in which every rank writes a row
 describing its call (what, name, dtype, shape, op, root, wire) into its own
 slot of a world_size x ROW array, the others' slots zero. The sum is every
 rank's row, exactly (each slot has one writer; values below 2^24). So every
@@ -13,12 +12,9 @@ naming the ranks, after one round trip, not a timeout. The control round
 travels beside the data, so an agreeing call still costs one round trip;
 its bytes are world_size x ROW x 4 (124 per rank).
 
-The data then goes under "hvd/data/i" ("hvd/gather" for allgather), i the
-control round's number modulo DATA_KEYS, so calls pair up in call order, as
-the control round checks anyway (a call takes both rounds under one lock, so
-calls from several threads pair alike). The keys rotate because a small
-key's chunks start at a daemon picked by its name (reducer_wire.layout): one
-key for every call would put every small call on the same daemon.
+The data then goes under one key, "hvd/data" ("hvd/gather" for allgather),
+so calls pair up in call order, as the control round checks anyway (a call
+takes both rounds under one lock, so calls from several threads pair alike).
 
 join: a rank out of data calls join() and takes part in every control round
 with an empty row; for each call the others make, it sends what they expect
@@ -71,14 +67,6 @@ __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW"
            "REDUCIBLE_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
-# Control and data keys per client, taken in turn (module doc): bounded, and
-# more than daemons.
-DATA_KEYS = 32
-
-
-def data_key(control_round: int) -> str:
-    """The data key of the call whose control round is number `control_round`."""
-    return f"{DATA_KEY}/{control_round % DATA_KEYS}"
 
 
 class _Session:
@@ -132,14 +120,11 @@ def drop_shadow(reducer: Reducer, tag: int) -> None:
         session.shadows.pop(tag, None)
 
 
-def _control(reducer: Reducer, row: np.ndarray) -> tuple[int, Future[np.ndarray]]:
-    """Start a control round with this rank's `row`: its number (every rank
-    counts the same rounds) and its future."""
-    number = _session(reducer).count_round()
+def _control(reducer: Reducer, row: np.ndarray) -> Future[np.ndarray]:
+    _session(reducer).count_round()
     slots = np.zeros((reducer.world_size, ROW), np.float32)
     slots[reducer.rank] = row
-    key = f"{CONTROL_KEY}/{number % DATA_KEYS}"  # spread over the daemons, as the data
-    return number, allreduce_async_on_wire(reducer, slots, key, "sum", "float32")
+    return allreduce_async_on_wire(reducer, slots, CONTROL_KEY, "sum", "float32")
 
 
 def own_rows(call: Call) -> np.ndarray:
@@ -149,13 +134,7 @@ def own_rows(call: Call) -> np.ndarray:
 
 def control_async(reducer: Reducer, call: Call) -> Future[np.ndarray]:
     """Start the control round of `call`; the future holds every rank's row."""
-    return _control(reducer, encode(call))[1]
-
-
-def _checked_call(reducer: Reducer, call: Call) -> tuple[str, Future[np.ndarray]]:
-    """Start `call`'s control round: its data key and the rows' future."""
-    number, control = _control(reducer, encode(call))
-    return data_key(number), control
+    return _control(reducer, encode(call))
 
 
 def _chain(control: Future, call: Call, then: Callable[[np.ndarray, int], Future | None],
@@ -212,8 +191,8 @@ def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
     send = values if values is not None else np.zeros(call.data_numel, np.float32)
     integer = values is not None and is_integer(values.dtype)
     with _session(reducer).calls:
-        key, control = _checked_call(reducer, call)
-        data = allreduce_async_on_wire(reducer, send, key,
+        control = control_async(reducer, call)
+        data = allreduce_async_on_wire(reducer, send, DATA_KEY,
                                        "sum" if integer else call.op or "sum",
                                        None if integer else call.wire,
                                        out if values is not None else None)
@@ -237,11 +216,11 @@ def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
 def broadcast_async(reducer: Reducer, encoded: np.ndarray, call: Call) -> Future[np.ndarray]:
     """Checked broadcast of exact float32 `encoded` values (exact.encode_exact)."""
     with _session(reducer).calls:
-        key, control = _checked_call(reducer, call)
+        control = control_async(reducer, call)
         if call.root_rank is not None and 0 <= call.root_rank < reducer.world_size:
-            data = reducer.broadcast_async(encoded, key, call.root_rank)
+            data = reducer.broadcast_async(encoded, DATA_KEY, call.root_rank)
         else:  # the control round reports it on every rank; keep the rounds paired
-            data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), key, "sum",
+            data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), DATA_KEY, "sum",
                                            "float32")
     def finish(result: object, rows: np.ndarray, active: int) -> object:
         if call.root_rank not in active_ranks(rows):  # it sent zeros, not its tensor
@@ -282,18 +261,17 @@ def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
                   lambda result, rows, active: (result, gather_counts(rows)))
 
 
-def _shadow(reducer: Reducer, rows: np.ndarray, key: str) -> None:
-    """What a joined rank sends, under `key`, for the call the active ranks'
-    rows describe."""
+def _shadow(reducer: Reducer, rows: np.ndarray) -> None:
+    """What a joined rank sends for the call the active ranks' rows describe."""
     call = shadowed(rows)
     if call.kind == ALLREDUCE and call.dtype in INTEGER_INPUTS:
-        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, call.dtype), key,
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, call.dtype), DATA_KEY,
                                 "sum", None).result()
     elif call.kind == ALLREDUCE:
-        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), key,
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), DATA_KEY,
                                 call.op, call.wire).result()
     elif call.kind == BROADCAST:
-        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), key,
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), DATA_KEY,
                                 "sum", "float32").result()
     elif call.kind == ALLGATHER:
         total = sum(gather_counts(rows)) * call.data_numel
@@ -321,8 +299,7 @@ def join(reducer: Reducer) -> int:
     session = _session(reducer)
     joined_at = session.rounds + 1
     while True:
-        number, control = _control(reducer, joined_row(joined_at))
-        rows = control.result()
+        rows = _control(reducer, joined_row(joined_at)).result()
         if active_count(rows) == 0:
             return last_joined(rows)
-        _shadow(reducer, rows, data_key(number))
+        _shadow(reducer, rows)

@@ -104,10 +104,10 @@ def test_collectives_from_two_threads_pair_their_rounds_alike_on_every_rank(clie
 
     def preempted(reducer, array, key, op, wire, out=None):
         name = threading.current_thread().name
-        if reducer is rank1 and key.startswith(collectives.DATA_KEY) and name == "A":
+        if reducer is rank1 and key == collectives.DATA_KEY and name == "A":
             b_sent.wait(1.0)  # B's data round would overtake A's here
         future = on_wire(reducer, array, key, op, wire, out)
-        if reducer is rank1 and key.startswith(collectives.DATA_KEY) and name == "B":
+        if reducer is rank1 and key == collectives.DATA_KEY and name == "B":
             b_sent.set()
         return future
 
