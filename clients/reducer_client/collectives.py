@@ -143,9 +143,8 @@ def _chain(control: Future, call: Call, then: Callable[[np.ndarray, int], Future
     target: Future = Future()
 
     def fail(exc: BaseException | None) -> None:
-        if isinstance(exc, ReducerError) and not str(exc).startswith(call.describe()):
-            # Name the user's call: the keys on the wire are the shims' own.
-            exc = ReducerError(exc.code, f"{call.describe()}: {exc}", exc.retryable)
+        if isinstance(exc, ReducerError):
+            exc = exc.naming(call.describe())
         if not target.done():
             target.set_exception(exc)
 

@@ -60,6 +60,13 @@ class ReducerError(RuntimeError):
     def retryable(self) -> bool:
         return self._retryable
 
+    def naming(self, what: str) -> ReducerError:
+        """This error with the user's call `what` before it (the keys on the
+        wire are the shims' own); itself where it names it already."""
+        if str(self).startswith(what):
+            return self
+        return ReducerError(self.code, f"{what}: {self}", self._retryable)
+
     def __reduce__(self):  # picklable across worker processes
         return (type(self), (self.code, str(self), self._retryable))
 

@@ -108,7 +108,7 @@ def naming_errors(future: Future, what: str) -> Future:
         if exc is None:
             named.set_result(done.result())
         elif isinstance(exc, ReducerError):
-            named.set_exception(ReducerError(exc.code, f"{what}: {exc}", exc.retryable))
+            named.set_exception(exc.naming(what))
         else:
             named.set_exception(exc)
     future.add_done_callback(settle)
