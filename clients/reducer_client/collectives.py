@@ -2,7 +2,8 @@
 
 The shims' allreduce, broadcast, allgather and grouped allreduce (and the
 DistributedOptimizer's steps) each start with a *control round*: one small
-float32 sum under the key "hvd/control" in which every rank writes a row
+float32 sum under the key "hvd/control/i" (i: the round's number modulo
+DATA_KEYS) in which every rank writes a row
 describing its call (what, name, dtype, shape, op, root, wire) into its own
 slot of a world_size x ROW array, the others' slots zero. The sum is every
 rank's row, exactly (each slot has one writer; values below 2^24). So every
@@ -12,9 +13,13 @@ naming the ranks, after one round trip, not a timeout. The control round
 travels beside the data, so an agreeing call still costs one round trip;
 its bytes are world_size x ROW x 4 (124 per rank).
 
-The data then goes under one key, "hvd/data" ("hvd/gather" for allgather),
-so calls pair up in call order, as the control round checks anyway (a call
-takes both rounds under one lock, so calls from several threads pair alike).
+The data then goes under "hvd/data/i" ("hvd/gather" for allgather), i the
+control round's number modulo DATA_KEYS (rounds counted per incarnation of an
+elastic job), so calls pair up in call order, as
+the control round checks anyway (a call takes both rounds under one lock, so
+calls from several threads pair alike). The keys rotate because a small
+key's chunks start at a daemon picked by its name (reducer_wire.layout): one
+key for every call would put every small call on the same daemon.
 
 join: a rank out of data calls join() and takes part in every control round
 with an empty row; for each call the others make, it sends what they expect
@@ -67,6 +72,14 @@ __all__ = ["Call", "ALLREDUCE", "BROADCAST", "ALLGATHER", "STEP", "CHECK", "ROW"
            "REDUCIBLE_DTYPES"]
 
 CONTROL_KEY, DATA_KEY, GATHER_KEY = "hvd/control", "hvd/data", "hvd/gather"
+# Control and data keys per client, taken in turn (module doc): bounded, and
+# more than daemons.
+DATA_KEYS = 32
+
+
+def data_key(control_round: int) -> str:
+    """The data key of the call whose control round is number `control_round`."""
+    return f"{DATA_KEY}/{control_round % DATA_KEYS}"
 
 
 class _Session:
@@ -75,17 +88,34 @@ class _Session:
     def __init__(self) -> None:
         # _lock guards everything below; taken by callers' threads.
         self._lock = threading.Lock()
+        # Control rounds of the reducer's current incarnation (elastic: a
+        # worker that joins counts from 0 as the others start again from 0).
         self.rounds = 0
+        self.incarnation: str | None = None
         self.shadows: dict[int, Callable[[np.ndarray], None]] = {}
         self.next_tag = 1
         self.gather = ThreadPoolExecutor(1, thread_name_prefix="reducer-allgather")
         # Held across a call's control and data rounds: threads' calls pair alike on every rank.
         self.calls = threading.Lock()
 
-    def count_round(self) -> int:
+    def count_round(self, reducer: Reducer) -> int:
+        """The number of the control round `reducer` starts (1, 2, ... per incarnation)."""
         with self._lock:
+            self._follow(reducer)
             self.rounds += 1
             return self.rounds
+
+    def rounds_counted(self, reducer: Reducer) -> int:
+        with self._lock:
+            self._follow(reducer)
+            return self.rounds
+
+    def _follow(self, reducer: Reducer) -> None:
+        """Count again from 0 under a new incarnation (reducer_client.elastic), whose
+        keys, and so their rounds, start afresh on every rank."""
+        incarnation = getattr(reducer, "incarnation", None)
+        if incarnation != self.incarnation:
+            self.incarnation, self.rounds = incarnation, 0
 
 
 _sessions: weakref.WeakKeyDictionary[Reducer, _Session] = weakref.WeakKeyDictionary()
@@ -120,11 +150,14 @@ def drop_shadow(reducer: Reducer, tag: int) -> None:
         session.shadows.pop(tag, None)
 
 
-def _control(reducer: Reducer, row: np.ndarray) -> Future[np.ndarray]:
-    _session(reducer).count_round()
+def _control(reducer: Reducer, row: np.ndarray) -> tuple[int, Future[np.ndarray]]:
+    """Start a control round with this rank's `row`: its number (every rank
+    counts the same rounds) and its future."""
+    number = _session(reducer).count_round(reducer)
     slots = np.zeros((reducer.world_size, ROW), np.float32)
     slots[reducer.rank] = row
-    return allreduce_async_on_wire(reducer, slots, CONTROL_KEY, "sum", "float32")
+    key = f"{CONTROL_KEY}/{number % DATA_KEYS}"  # spread over the daemons, as the data
+    return number, allreduce_async_on_wire(reducer, slots, key, "sum", "float32")
 
 
 def own_rows(call: Call) -> np.ndarray:
@@ -134,7 +167,13 @@ def own_rows(call: Call) -> np.ndarray:
 
 def control_async(reducer: Reducer, call: Call) -> Future[np.ndarray]:
     """Start the control round of `call`; the future holds every rank's row."""
-    return _control(reducer, encode(call))
+    return _control(reducer, encode(call))[1]
+
+
+def _checked_call(reducer: Reducer, call: Call) -> tuple[str, Future[np.ndarray]]:
+    """Start `call`'s control round: its data key and the rows' future."""
+    number, control = _control(reducer, encode(call))
+    return data_key(number), control
 
 
 def _chain(control: Future, call: Call, then: Callable[[np.ndarray, int], Future | None],
@@ -190,8 +229,8 @@ def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
     send = values if values is not None else np.zeros(call.data_numel, np.float32)
     integer = values is not None and is_integer(values.dtype)
     with _session(reducer).calls:
-        control = control_async(reducer, call)
-        data = allreduce_async_on_wire(reducer, send, DATA_KEY,
+        key, control = _checked_call(reducer, call)
+        data = allreduce_async_on_wire(reducer, send, key,
                                        "sum" if integer else call.op or "sum",
                                        None if integer else call.wire,
                                        out if values is not None else None)
@@ -215,11 +254,11 @@ def allreduce_async(reducer: Reducer, values: np.ndarray | None, call: Call,
 def broadcast_async(reducer: Reducer, encoded: np.ndarray, call: Call) -> Future[np.ndarray]:
     """Checked broadcast of exact float32 `encoded` values (exact.encode_exact)."""
     with _session(reducer).calls:
-        control = control_async(reducer, call)
+        key, control = _checked_call(reducer, call)
         if call.root_rank is not None and 0 <= call.root_rank < reducer.world_size:
-            data = reducer.broadcast_async(encoded, DATA_KEY, call.root_rank)
+            data = reducer.broadcast_async(encoded, key, call.root_rank)
         else:  # the control round reports it on every rank; keep the rounds paired
-            data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), DATA_KEY, "sum",
+            data = allreduce_async_on_wire(reducer, np.zeros_like(encoded), key, "sum",
                                            "float32")
     def finish(result: object, rows: np.ndarray, active: int) -> object:
         if call.root_rank not in active_ranks(rows):  # it sent zeros, not its tensor
@@ -260,17 +299,18 @@ def allgather_async(reducer: Reducer, encoded: np.ndarray, call: Call,
                   lambda result, rows, active: (result, gather_counts(rows)))
 
 
-def _shadow(reducer: Reducer, rows: np.ndarray) -> None:
-    """What a joined rank sends for the call the active ranks' rows describe."""
+def _shadow(reducer: Reducer, rows: np.ndarray, key: str) -> None:
+    """What a joined rank sends, under `key`, for the call the active ranks'
+    rows describe."""
     call = shadowed(rows)
     if call.kind == ALLREDUCE and call.dtype in INTEGER_INPUTS:
-        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, call.dtype), DATA_KEY,
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, call.dtype), key,
                                 "sum", None).result()
     elif call.kind == ALLREDUCE:
-        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), DATA_KEY,
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), key,
                                 call.op, call.wire).result()
     elif call.kind == BROADCAST:
-        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), DATA_KEY,
+        allreduce_async_on_wire(reducer, np.zeros(call.data_numel, np.float32), key,
                                 "sum", "float32").result()
     elif call.kind == ALLGATHER:
         total = sum(gather_counts(rows)) * call.data_numel
@@ -296,9 +336,10 @@ def join(reducer: Reducer) -> int:
     it.
     """
     session = _session(reducer)
-    joined_at = session.rounds + 1
+    joined_at = session.rounds_counted(reducer) + 1
     while True:
-        rows = _control(reducer, joined_row(joined_at)).result()
+        number, control = _control(reducer, joined_row(joined_at))
+        rows = control.result()
         if active_count(rows) == 0:
             return last_joined(rows)
-        _shadow(reducer, rows)
+        _shadow(reducer, rows, data_key(number))

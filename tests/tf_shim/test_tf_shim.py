@@ -18,7 +18,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import reducer_client.tensorflow as rtf  # noqa: E402
-from reducer_client import ReducerClient  # noqa: E402
+from reducer_client import ReducerClient, collectives  # noqa: E402
 from reducer_client.api import Reducer  # noqa: E402
 from reducer_client.tensorflow._bridge import _FLAG_ALIGN  # noqa: E402
 from reducer_client.testing import LocalGroup  # noqa: E402
@@ -299,12 +299,13 @@ def test_broadcast_tensor_in_graph(single):
         return rtf.broadcast(t, root_rank=0, name="t")
     np.testing.assert_array_equal(f(tf.constant([7, -9], tf.int64)), [7, -9])
     # One checked broadcast (reducer_client.collectives): a control round and the data.
-    assert single.inner._rounds == {"hvd/control": 1, "hvd/data": 1}
+    assert single.inner._rounds == {"hvd/control/1": 1, "hvd/data/1": 1}
 
 
-def test_unnamed_calls_share_one_key_per_kind():
+def test_unnamed_calls_share_bounded_keys():
     """Unnamed allreduce and broadcast of changing shapes and dtypes pair up
-    in call order, under two fixed keys: the client's keys do not grow."""
+    in call order, under a control key and data keys taken in turn: the
+    client's keys do not grow with the calls."""
     shapes = [(3,), (2, 2), (7,), (1,), (3,)] * 4
 
     def work(reducer):
@@ -319,8 +320,12 @@ def test_unnamed_calls_share_one_key_per_kind():
         for i, (total, copy) in enumerate(zip(sums, copies, strict=True)):
             assert total.shape == shapes[i] and np.all(total == 2 * i + 1)
             assert np.all(copy == i + 1)
-        # Checked calls (reducer_client.collectives): a control key and a data key.
-        assert rounds == {"hvd/control": 2 * len(shapes), "hvd/data": 2 * len(shapes)}
+        # Checked calls (reducer_client.collectives): a control key and data keys.
+        data = {key: n for key, n in rounds.items() if key.startswith(collectives.DATA_KEY)}
+        assert set(data) == {collectives.data_key(i) for i in range(1, 2 * len(shapes) + 1)}
+        assert sum(data.values()) == 2 * len(shapes)
+        assert sum(rounds.values()) == 4 * len(shapes)  # a control round per call
+        assert len(rounds) == 2 * collectives.DATA_KEYS
 
 
 def test_results_stay_valid_after_later_calls(single):

@@ -104,10 +104,10 @@ def test_collectives_from_two_threads_pair_their_rounds_alike_on_every_rank(clie
 
     def preempted(reducer, array, key, op, wire, out=None):
         name = threading.current_thread().name
-        if reducer is rank1 and key == collectives.DATA_KEY and name == "A":
+        if reducer is rank1 and key.startswith(collectives.DATA_KEY) and name == "A":
             b_sent.wait(1.0)  # B's data round would overtake A's here
         future = on_wire(reducer, array, key, op, wire, out)
-        if reducer is rank1 and key == collectives.DATA_KEY and name == "B":
+        if reducer is rank1 and key.startswith(collectives.DATA_KEY) and name == "B":
             b_sent.set()
         return future
 
@@ -134,6 +134,34 @@ def test_collectives_from_two_threads_pair_their_rounds_alike_on_every_rank(clie
     got = {k: f.result(WAIT_S).tolist() for k, f in results.items()}
     assert got == {(r, "A"): [2.0] * 4 for r in (0, 1)} | {(r, "B"): [200.0] * 4
                                                            for r in (0, 1)}
+
+
+def test_a_worker_that_joins_a_new_incarnation_pairs_its_checked_calls(clients):
+    """Elastic membership: the survivors made checked calls under the last
+    incarnation; a worker that joins starts counting control rounds from 0.
+    So must the survivors under the new incarnation's keys, or the two sides
+    send under different rotating keys and never meet."""
+    from reducer_client import collectives
+    from reducer_client.elastic.incarnation import IncarnationReducer
+
+    daemon = FakeDaemon()
+    spec = collectives.Call(kind=collectives.ALLREDUCE, name="g", dtype="float32",
+                            shape=(3,), data_numel=3, op="sum", wire="float32")
+
+    def checked(ranks, value):
+        futures = [collectives.allreduce_async(r, np.full(3, value + r.rank, np.float32), spec)
+                   for r in ranks]
+        return [f.result(WAIT_S).tolist() for f in futures]
+
+    old = [IncarnationReducer(clients([daemon], rank, 2, timeout=3.0), "a") for rank in (0, 1)]
+    for step in range(3):
+        assert checked(old, step) == [[2.0 * step + 1] * 3] * 2
+    survivor = old[0]
+    survivor.reset(clients([daemon], 0, 2, timeout=3.0), "b")
+    joined = IncarnationReducer(clients([daemon], 1, 2, timeout=3.0), "b")
+    assert checked([survivor, joined], 10) == [[21.0] * 3] * 2
+    for reducer in (survivor, joined):  # the new incarnation's first round on both
+        assert set(reducer.inner._rounds) == {"ib/hvd/control/1", "ib/hvd/data/1"}
 
 
 def test_names_over_the_daemons_limit_are_refused_before_anything_is_sent(clients):
